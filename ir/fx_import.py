@@ -1,0 +1,97 @@
+"""Conversion of a torch.fx graph (from make_fx) into an ir.Graph."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .core import AbstractValue, Eqn, Literal, Var
+from .errors import TraceError
+
+
+def _aval(val: Any, where: str) -> AbstractValue:
+    if not isinstance(val, torch.Tensor):
+        raise TraceError(f"{where} produced a {type(val).__name__}, not a tensor; fnpipe graphs carry tensors only")
+    return AbstractValue.of(val)
+
+
+def _user_frame(stack: str | None) -> str:
+    """The last frame of a recorded stack trace, e.g. `model.py:12 in loss_fn: h = x @ w`."""
+    if not stack:
+        return ""
+    lines = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            parts = lines[i].split('"')
+            path = parts[1] if len(parts) > 1 else lines[i]
+            rest = parts[2] if len(parts) > 2 else ""
+            lineno = rest.split("line")[-1].split(",")[0].strip() if "line" in rest else "?"
+            func = rest.split(" in ")[-1].strip() if " in " in rest else ""
+            return f"{path.rsplit('/', 1)[-1]}:{lineno} in {func}: {code}"
+    return ""
+
+
+class FxImporter:
+    """Walks fx nodes in order, giving each tensor value a Var and each op call an Eqn."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.inputs: list[Var] = []
+        self.eqns: list[Eqn] = []
+        self.outputs: tuple[Any, ...] = ()
+
+    def run(self) -> FxImporter:
+        handlers = {"placeholder": self._placeholder, "get_attr": self._get_attr,
+                    "call_function": self._call, "output": self._output}
+        for node in self.gm.graph.nodes:
+            if node.op not in handlers:
+                raise TraceError(f"unsupported fx node {node.op} {node.target}")
+            handlers[node.op](node)
+        return self
+
+    def _arg(self, a: Any) -> Any:
+        return pytree.tree_map(lambda x: self.env[x] if isinstance(x, torch.fx.Node) else x, a)
+
+    def _placeholder(self, node: torch.fx.Node) -> None:
+        v = Var(_aval(node.meta["val"], f"input {node.name}"))
+        self.inputs.append(v)
+        self.env[node] = v
+
+    def _get_attr(self, node: torch.fx.Node) -> None:
+        value = getattr(self.gm, node.target)
+        if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+            raise TraceError(
+                f"the function captures a tensor from outside ({node.target}, "
+                f"{getattr(value, 'shape', '?')}); pass it in params or the batch instead")
+        self.env[node] = Literal(value.detach().clone())
+
+    def _call(self, node: torch.fx.Node) -> None:
+        if node.target is operator.getitem:
+            self.env[node] = self.env[node.args[0]][node.args[1]]
+            return
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise TraceError(
+                f"unsupported call {node.target} in the traced function ({_user_frame(node.meta.get('stack_trace'))}); "
+                "fnpipe needs a pure function of tensors: remove torch.no_grad/autocast/hooks from the loss")
+        val = node.meta.get("val")
+        multi = isinstance(val, (tuple, list))
+        vals = list(val) if multi else [val]
+        outs = tuple(Var(AbstractValue.of(x)) if isinstance(x, torch.Tensor) else None for x in vals)
+        if not multi and outs[0] is None:
+            raise TraceError(f"{node.target} returns {type(val).__name__}: only tensor-valued ops are supported")
+        eqn = Eqn(str(node.target), self._arg(tuple(node.args)),
+                  tuple((k, self._arg(v)) for k, v in node.kwargs.items()), outs, multi,
+                  source=_user_frame(node.meta.get("stack_trace")))
+        self.eqns.append(eqn)
+        self.env[node] = list(outs) if multi else outs[0]
+
+    def _output(self, node: torch.fx.Node) -> None:
+        flat = pytree.tree_leaves(self._arg(node.args[0]))
+        for x in flat:
+            if not isinstance(x, (Var, Literal)):
+                raise TraceError(f"the function returns {x!r}; every output leaf must be a tensor")
+        self.outputs = tuple(flat)

@@ -1,0 +1,114 @@
+"""Slicing graphs: sub-graphs of equation sets, and contiguous pipeline stages with carried values."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import attrs
+
+from .core import Graph, Var
+from .errors import IRError
+
+
+def _uses(g: Graph) -> dict[Var, list[int]]:
+    uses: dict[Var, list[int]] = {}
+    for i, e in enumerate(g.eqns):
+        for v in dict.fromkeys(e.inputs):
+            uses.setdefault(v, []).append(i)
+    return uses
+
+
+def slice_graph(g: Graph, eqn_indices: Iterable[int], *, outputs: Sequence[Var] | None = None) -> Graph:
+    """The equations `eqn_indices` (kept in order) as a graph of their own.
+
+    Inputs: the graph inputs they read (params first, as in `g`), then values defined outside the set
+    that they read, in definition order. Outputs: `outputs` if given, else the values they define that
+    an equation outside the set or the graph's outputs need.
+    """
+    idx = sorted(set(eqn_indices))
+    inside = set(idx)
+    eqns = tuple(g.eqns[i] for i in idx)
+    defined = {v for e in eqns for v in e.out_vars}
+    read = {v for e in eqns for v in e.inputs}
+    order = list(g.defined())
+    ext = [v for v in order if v in read and v not in defined]
+    pos = {v: i for i, v in enumerate(g.inputs)}
+    params = [v for v in ext if pos.get(v, len(g.inputs)) < g.num_params]
+    rest = [v for v in ext if v not in set(params)]
+    if outputs is None:
+        uses = _uses(g)
+        final = {v for v in g.outputs if isinstance(v, Var)}
+        outputs = [v for v in order if v in defined and
+                   (v in final or any(u not in inside for u in uses.get(v, ())))]
+    names = dict(zip(g.inputs, g.input_names)) if g.input_names else {}
+    inputs = tuple(params + rest)
+    return Graph(inputs, eqns, tuple(outputs), tuple(names.get(v, "") for v in inputs), len(params))
+
+
+@attrs.frozen(eq=False)
+class Stage:
+    """Pipeline stage k: equations [start, stop) of the model graph, as a graph of their own.
+
+    `graph.inputs` = params it reads, batch leaves it reads, then `acts_in` (received from stage k-1);
+    `graph.outputs` = `acts_out` (sent to stage k+1), then the model's outputs on the last stage.
+    Value ids index `list(model.defined())`, so every rank agrees on them.
+    """
+
+    index: int
+    start: int
+    stop: int
+    graph: Graph
+    param_ids: tuple[int, ...]
+    batch_ids: tuple[int, ...]
+    acts_in: tuple[int, ...]
+    acts_out: tuple[int, ...]
+
+    @property
+    def is_last(self) -> bool:
+        return len(self.graph.outputs) > len(self.acts_out)
+
+
+def _check_cuts(g: Graph, cuts: Sequence[int]) -> list[int]:
+    bounds = [0, *cuts, len(g.eqns)]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise IRError(f"cuts {list(cuts)} must be strictly increasing inside (0, {len(g.eqns)})")
+    return bounds
+
+
+def split(g: Graph, cuts: Sequence[int]) -> tuple[Stage, ...]:
+    """Cut `g` before each equation index in `cuts`; a value used by a later stage is carried through
+    the stages between, so each stage talks only to its neighbours."""
+    bounds = _check_cuts(g, cuts)
+    order = list(g.defined())
+    vid = {v: i for i, v in enumerate(order)}
+    prod = g.producers()
+    stage_of = lambda v: -1 if v not in prod else next(k for k in range(len(bounds) - 1) if prod[v] < bounds[k + 1])  # noqa: E731
+    last_stage_use: dict[Var, int] = {}
+    for k in range(len(bounds) - 1):
+        for e in g.eqns[bounds[k]:bounds[k + 1]]:
+            for v in e.inputs:
+                last_stage_use[v] = k
+    n = len(bounds) - 1
+    for v in g.outputs:
+        if isinstance(v, Var):
+            last_stage_use[v] = n
+    inputs_pos = {v: i for i, v in enumerate(g.inputs)}
+    stages = []
+    for k in range(n):
+        crossing_in = [v for v in order if v in prod and stage_of(v) < k <= last_stage_use.get(v, -1)]
+        crossing_out = [v for v in order if v in prod and stage_of(v) <= k < last_stage_use.get(v, -1)]
+        if k == n - 1:
+            crossing_out = []
+        eqn_range = range(bounds[k], bounds[k + 1])
+        read = {v for i in eqn_range for v in g.eqns[i].inputs}
+        params = [v for v in g.params if v in read]
+        batch = [v for v in g.batch if v in read]
+        outs = crossing_out + ([v for v in g.outputs] if k == n - 1 else [])
+        sub = slice_graph(g, eqn_range, outputs=outs)
+        inputs = tuple(params + batch + crossing_in)
+        names = dict(zip(g.inputs, g.input_names)) if g.input_names else {}
+        graph = attrs.evolve(sub, inputs=inputs, num_params=len(params),
+                             input_names=tuple(names.get(v, f"%{vid[v]}") for v in inputs))
+        stages.append(Stage(k, bounds[k], bounds[k + 1], graph,
+                            tuple(inputs_pos[v] for v in params), tuple(inputs_pos[v] for v in batch),
+                            tuple(vid[v] for v in crossing_in), tuple(vid[v] for v in crossing_out)))
+    return tuple(stages)

@@ -1,0 +1,124 @@
+"""`ir.trace`: turn a pure loss function over pytrees into an ir.Graph, with fake tensors only."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import traceback
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .core import Graph
+from .errors import TraceError
+from .fx_import import FxImporter
+from .purify import reject_rng, remove_mutation
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_IR_DIR = os.path.dirname(__file__)
+CONTROL_FLOW_FIX = ("fnpipe traces with fake tensors (shapes only, no data), so Python control flow on "
+                    "tensor values (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot be traced: use tensor "
+                    "ops such as torch.where, or compute the Python value outside the loss function.")
+
+
+@attrs.frozen
+class TensorSpec:
+    """Shape and dtype of a leaf, standing in for a tensor that need not exist (like jax.ShapeDtypeStruct)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    device: str | None = None
+
+
+def key_name(path: Sequence[Any]) -> str:
+    """`blocks.3.w_q` for the key path of a pytree leaf."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def leaf_names(fn: Callable, params: Any, batch: Sequence[Any]) -> list[str]:
+    """Params leaves by key path; batch leaves by the function's argument names (`x`, `y.mask`)."""
+    try:
+        argnames = list(inspect.signature(fn).parameters)[1:]
+    except (TypeError, ValueError):
+        argnames = []
+    names = [key_name(p) or "params" for p, _ in pytree.tree_flatten_with_path(params)[0]]
+    for i, arg in enumerate(batch):
+        base = argnames[i] if i < len(argnames) else f"arg{i + 1}"
+        for p, _ in pytree.tree_flatten_with_path(arg)[0]:
+            names.append(".".join(x for x in (base, key_name(p)) if x))
+    return names
+
+
+def _fake_leaf(x: Any, mode: FakeTensorMode, device: str | None, name: str) -> FakeTensor:
+    if isinstance(x, TensorSpec):
+        with mode:
+            return torch.empty(x.shape, dtype=x.dtype, device=device or x.device or "cpu")
+    if not isinstance(x, torch.Tensor):
+        raise TraceError(f"leaf '{name}' is a {type(x).__name__}; params and batch leaves must be tensors "
+                         "(or ir.TensorSpec); pass Python constants by closing over them")
+    target = device or ("cpu" if x.device.type == "meta" else str(x.device))
+    with mode:
+        return torch.empty_strided(tuple(x.shape), tuple(x.stride()) if x.is_contiguous() else
+                                   torch.empty(x.shape).stride(), dtype=x.dtype, device=target)
+
+
+def _user_line(exc: BaseException) -> str:
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not fr.filename.startswith((_TORCH_DIR, _IR_DIR)) and "site-packages" not in fr.filename:
+            return f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
+    return "unknown location"
+
+
+def _make_fx(flat_fn: Callable, leaves: list[FakeTensor]) -> torch.fx.GraphModule:
+    kwargs: dict[str, Any] = {"tracing_mode": "fake", "pre_dispatch": True}
+    if "record_stack_traces" in inspect.signature(make_fx).parameters:
+        kwargs["record_stack_traces"] = True
+    return make_fx(flat_fn, **kwargs)(*leaves)
+
+
+def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | None = None) -> Graph:
+    """Trace `fn(params, *batch)` into a pure ATen-level graph; no real weights are needed.
+
+    Leaves may be real tensors, meta tensors, fake tensors or `TensorSpec`s; `device` (default: each
+    leaf's own, with meta read as cpu) is the device the graph will run on, so its ops and factory
+    calls target it. Attention stays one `scaled_dot_product_attention` op.
+    """
+    device = str(device) if device is not None else None
+    flat, in_tree = pytree.tree_flatten((params, *batch))
+    names = leaf_names(fn, params, batch)
+    num_params = len(pytree.tree_leaves(params))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    leaves = [_fake_leaf(x, mode, device, n) for x, n in zip(flat, names)]
+    out_tree: list[pytree.TreeSpec] = []
+
+    def flat_fn(*xs: Any) -> list[Any]:
+        p, *b = pytree.tree_unflatten(list(xs), in_tree)
+        out, spec = pytree.tree_flatten(fn(p, *b))
+        out_tree.append(spec)
+        return out
+
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mode)
+            gm = _make_fx(flat_fn, leaves)
+    except TraceError:
+        raise
+    except Exception as exc:  # torch raises many types; all mean "not traceable as written"
+        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)}: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}\n  at {_user_line(exc)}\n"
+                         f"{CONTROL_FLOW_FIX}") from exc
+    imp = FxImporter(gm).run()
+    g = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, tuple(names), num_params, in_tree, out_tree[-1])
+    return reject_rng(remove_mutation(g))
