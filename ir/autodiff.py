@@ -123,9 +123,11 @@ def _part(g: Graph, idx: set[int], slot: dict[Var, int], outputs: list[Var]) -> 
     return Part(sub, tuple(slot[v] for v in sub.inputs), tuple(slot[v] for v in outputs))
 
 
-def _needed_from(g: Graph, consumers: set[int], producers: set[int]) -> list[Var]:
+def _needed_from(g: Graph, consumers: set[int], producers: set[int], outputs: Sequence[Any] = ()) -> list[Var]:
+    """Values that the eqns `consumers` read, or return as `outputs`, and that `producers` define."""
     prod = g.producers()
     need = {v for i in consumers for v in g.eqns[i].inputs if prod.get(v) in producers}
+    need |= {v for v in outputs if isinstance(v, Var) and prod.get(v) in producers}
     return [v for v in g.defined() if v in need]
 
 
@@ -143,20 +145,24 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None
     act_grads = [x for i, x in zip(diff_in, grads) if i >= g.num_params]
     param_grads = [x for i, x in zip(diff_in, grads) if i < g.num_params]
     f_idx = _ancestors(jg, outs, set())
-    b_idx = _ancestors(jg, act_grads, f_idx)
-    w_idx = _ancestors(jg, param_grads, f_idx | b_idx)
+    b_own = _ancestors(jg, act_grads, f_idx)
+    w_own = _ancestors(jg, param_grads, f_idx | b_own)
     prim = set(jg.inputs)
-    b_idx = _remat_views(jg, b_idx, f_idx, prim)
-    w_idx = _remat_views(jg, w_idx, f_idx | b_idx, prim)
+    # B and W keep the view eqns they recompute (they may also be in F): a view is free, saving it is not.
+    b_idx = _remat_views(jg, set(b_own), f_idx, prim)
+    w_idx = _remat_views(jg, set(w_own), f_idx | b_own, prim)
     slot = {v: i for i, v in enumerate(jg.inputs)}
-    saved_f = _needed_from(jg, b_idx | w_idx, f_idx)
-    stash_b = _needed_from(jg, w_idx, b_idx - f_idx)
+    # A multi-output backward op (native_layer_norm_backward) in B may define W's param grads too.
+    saved = {*_needed_from(jg, b_idx, f_idx - b_idx, act_grads),
+             *_needed_from(jg, w_idx, f_idx - w_idx, param_grads)}
+    saved_f = [v for v in jg.defined() if v in saved]
+    stash_b = _needed_from(jg, w_idx, b_own - w_idx, param_grads)
     out_vars = [v for v in outs if isinstance(v, Var)]
     for v in [*out_vars, *saved_f, *stash_b, *[x for x in grads if isinstance(x, Var)]]:
         slot.setdefault(v, len(slot))
     fwd = _part(jg, f_idx, slot, list(dict.fromkeys(out_vars + saved_f)))
-    bwd = _part(jg, b_idx - f_idx, slot, list(dict.fromkeys(act_grads + stash_b)))
-    wgt = _part(jg, w_idx - f_idx - b_idx, slot, param_grads)
+    bwd = _part(jg, b_idx, slot, list(dict.fromkeys(act_grads + stash_b)))
+    wgt = _part(jg, w_idx, slot, param_grads)
     grad_slots: list[int | None] = [None] * n_in
     for i, x in zip(diff_in, grads):
         grad_slots[i] = slot[x]

@@ -1,6 +1,7 @@
 """Lowering a graph to a torch.fx GraphModule: generated Python with per-op cost close to eager."""
 from __future__ import annotations
 
+import keyword
 import operator
 import weakref
 from typing import Any, Callable
@@ -39,7 +40,8 @@ def to_fx(g: Graph) -> torch.fx.GraphModule:
         return x
 
     for v in g.inputs:
-        env[v] = fg.placeholder(namer(v))
+        name = namer(v)  # `as`, `if`, `in` ... are printed names but not Python argument names
+        env[v] = fg.placeholder(name + "_" if keyword.iskeyword(name) else name)
     for e in g.eqns:
         node = fg.call_function(resolve(e.op), arg(e.args), {k: arg(v) for k, v in e.kwargs})
         if e.multi:

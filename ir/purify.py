@@ -93,7 +93,8 @@ def remove_mutation(g: Graph) -> Graph:
 
 
 def _eval_dropout(e: Eqn) -> bool:
-    return _arg(e, 2, "train", True) is False and e.op in ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default") and train is False
+    return e.op in ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default") and \
+        _arg(e, 2, "train", True) is False
 
 
 def _arg(e: Eqn, pos: int, name: str, default: object) -> object:

@@ -29,6 +29,7 @@ def slice_graph(g: Graph, eqn_indices: Iterable[int], *, outputs: Sequence[Var] 
     eqns = tuple(g.eqns[i] for i in idx)
     defined = {v for e in eqns for v in e.out_vars}
     read = {v for e in eqns for v in e.inputs}
+    read |= {v for v in (outputs or ()) if isinstance(v, Var) and v not in defined}
     order = list(g.defined())
     ext = [v for v in order if v in read and v not in defined]
     pos = {v: i for i, v in enumerate(g.inputs)}

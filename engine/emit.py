@@ -1,0 +1,203 @@
+"""The emitter: Plan + lowered schedule + stage programs -> one static Program per world rank."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+import ir
+import schedules
+
+from .instructions import CommOp, Instr, Program
+
+
+@attrs.frozen(eq=False)
+class StageInfo:
+    """What the emitter and runtime need of a stage: its slice of the graph and its F/B/W programs."""
+
+    stage: ir.Stage
+    ad: ir.StageAD
+
+    @property
+    def n_params(self) -> int:
+        return len(self.stage.param_ids)
+
+    @property
+    def n_batch(self) -> int:
+        return len(self.stage.batch_ids)
+
+    def act_slot(self, k: int) -> int:
+        """Slot of the k-th received activation."""
+        return self.n_params + self.n_batch + k
+
+    def grad_acts(self) -> list[int]:
+        """Indices k of acts_in that get a gradient sent back (float activations)."""
+        return [k for k in range(len(self.stage.acts_in)) if self.ad.grad_slots[self.act_slot(k)] is not None]
+
+    def ct_outs(self) -> list[int]:
+        """Indices j of acts_out that receive a cotangent (float activations)."""
+        return [j for j in range(len(self.stage.acts_out)) if self.ad.ct_slots[j] is not None]
+
+
+class _Emitter:
+    """Walks one rank's lowered actions, naming buffers and tracking which ref holds each slot."""
+
+    def __init__(self, infos: Sequence[StageInfo], table: schedules.Table, rank: int, world_of) -> None:
+        self.infos, self.table, self.rank, self.world_of = infos, table, rank, world_of
+        self.slots: dict[tuple[int, int], dict[int, str]] = {}
+        self.acts: dict[tuple[int, int], list[str]] = {}
+        self.cts: dict[tuple[int, int], list[str]] = {}
+        self.out: list[Instr] = []
+        self.comm: list[CommOp] = []
+        self.next_buf = 0
+
+    def buf(self) -> str:
+        self.next_buf += 1
+        return f"b{self.next_buf - 1}"
+
+    def env(self, s: int, mb: int) -> dict[int, str]:
+        if (s, mb) not in self.slots:
+            info = self.infos[s]
+            env = {i: f"p{pid}" for i, pid in enumerate(info.stage.param_ids)}
+            env.update({info.n_params + i: f"x{bid}" for i, bid in enumerate(info.stage.batch_ids)})
+            self.slots[(s, mb)] = env
+        return self.slots[(s, mb)]
+
+    def flush(self) -> None:
+        if self.comm:
+            self.out.append(Instr("comm", comm=tuple(self.comm)))
+            self.comm = []
+
+    def compute(self, kind: str, part: ir.Part, s: int, mb: int, outs: dict[int, str] | None = None) -> None:
+        if not part.graph.eqns and not part.out_slots:
+            return
+        self.flush()
+        env = self.env(s, mb)
+        reads = tuple(env[i] for i in part.in_slots)
+        writes = []
+        for slot in part.out_slots:
+            if slot not in env or slot in (outs or {}):  # an output that is an input keeps its ref
+                env[slot] = (outs or {}).get(slot) or self.buf()
+            writes.append(env[slot])
+        self.out.append(Instr(kind, s, mb, reads, tuple(writes)))
+
+    def forward(self, s: int, mb: int) -> None:
+        info, env = self.infos[s], self.env(s, mb)
+        for k, ref in enumerate(self.acts.pop((s, mb), [])):
+            env[info.act_slot(k)] = ref
+        self.compute("forward", info.ad.forward, s, mb)
+        outs = [env[info.ad.out_slots[j]] for j in range(len(info.stage.acts_out))]
+        if s + 1 < len(self.infos) and self.table.rank_of(s + 1) == self.rank:
+            self.acts[(s + 1, mb)] = outs
+        if info.stage.is_last:
+            self.out.append(Instr("add_loss", s, mb, (env[info.ad.out_slots[-1]],)))
+
+    def backward_input(self, s: int, mb: int) -> None:
+        info, env = self.infos[s], self.env(s, mb)
+        if info.stage.is_last:
+            self.flush()
+            seed = self.buf()
+            env[info.ad.ct_slots[-1]] = seed
+            self.out.append(Instr("loss_grad", s, mb, (), (seed,)))
+        for j, ref in zip(info.ct_outs(), self.cts.pop((s, mb), [])):
+            env[info.ad.ct_slots[j]] = ref
+        self.compute("backward_input", info.ad.backward_input, s, mb)
+        grads = [env[info.ad.grad_slots[info.act_slot(k)]] for k in info.grad_acts()]
+        if s > 0 and self.table.rank_of(s - 1) == self.rank:
+            self.cts[(s - 1, mb)] = grads
+
+    def backward_weight(self, s: int, mb: int) -> None:
+        info = self.infos[s]
+        accum = {info.ad.grad_slots[i]: f"g{pid}" for i, pid in enumerate(info.stage.param_ids)
+                 if info.ad.grad_slots[i] is not None}
+        self.compute("backward_weight", info.ad.backward_weight, s, mb, accum)
+
+    def backward(self, s: int, mb: int) -> None:
+        self.backward_input(s, mb)
+        self.backward_weight(s, mb)
+
+    def send_f(self, s: int, mb: int) -> None:
+        env, info = self.env(s, mb), self.infos[s]
+        bufs = tuple(env[info.ad.out_slots[j]] for j in range(len(info.stage.acts_out)))
+        self.comm.append(CommOp("send", "act", s, mb, self.world_of(self.table.rank_of(s + 1)), bufs))
+
+    def recv_f(self, s: int, mb: int) -> None:
+        bufs = [self.buf() for _ in self.infos[s].stage.acts_in]
+        self.acts[(s, mb)] = bufs
+        self.comm.append(CommOp("recv", "act", s, mb, self.world_of(self.table.rank_of(s - 1)), tuple(bufs)))
+
+    def send_b(self, s: int, mb: int) -> None:
+        env, info = self.env(s, mb), self.infos[s]
+        bufs = tuple(env[info.ad.grad_slots[info.act_slot(k)]] for k in info.grad_acts())
+        self.comm.append(CommOp("send", "grad", s, mb, self.world_of(self.table.rank_of(s - 1)), bufs))
+
+    def recv_b(self, s: int, mb: int) -> None:
+        bufs = [self.buf() for _ in self.infos[s].ct_outs()]
+        self.cts[(s, mb)] = bufs
+        self.comm.append(CommOp("recv", "grad", s, mb, self.world_of(self.table.rank_of(s + 1)), tuple(bufs)))
+
+
+ACTIONS = {
+    "F": _Emitter.forward, "B": _Emitter.backward_input, "W": _Emitter.backward_weight, "BW": _Emitter.backward,
+    "SEND_F": _Emitter.send_f, "RECV_F": _Emitter.recv_f, "SEND_B": _Emitter.send_b, "RECV_B": _Emitter.recv_b,
+}
+
+
+def _reads(ins: Instr) -> tuple[str, ...]:
+    if ins.kind == "comm":
+        return tuple(b for c in ins.comm if c.op == "send" for b in c.bufs)
+    return ins.reads
+
+
+def _writes(ins: Instr) -> tuple[str, ...]:
+    if ins.kind == "comm":
+        return tuple(b for c in ins.comm if c.op == "recv" for b in c.bufs)
+    return ins.writes
+
+
+def insert_frees(instrs: Sequence[Instr]) -> tuple[Instr, ...]:
+    """Add a `free` after the last instruction that touches each buffer (`b*` refs only)."""
+    last: dict[str, int] = {}
+    for i, ins in enumerate(instrs):
+        for ref in (*_writes(ins), *_reads(ins)):
+            if ref.startswith("b"):
+                last[ref] = i
+    dying: dict[int, list[str]] = {}
+    for ref, i in last.items():
+        dying.setdefault(i, []).append(ref)
+    out: list[Instr] = []
+    for i, ins in enumerate(instrs):
+        out.append(ins)
+        if i in dying:
+            out.append(Instr("free", reads=tuple(sorted(dying[i], key=lambda r: int(r[1:])))))
+    return tuple(out)
+
+
+def grad_groups(infos: Sequence[StageInfo], table: schedules.Table, num_params: int, dp: int) -> dict[tuple[int, ...], list[int]]:
+    """World ranks that hold a copy of each param leaf's grad -> the leaves they must sum."""
+    p = table.num_ranks
+    users: dict[int, set[int]] = {}
+    for info in infos:
+        for pid in info.stage.param_ids:
+            users.setdefault(pid, set()).add(table.rank_of(info.stage.index))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for pid in range(num_params):
+        ranks = tuple(sorted(d * p + q for q in users.get(pid, {0}) for d in range(dp)))
+        if len(ranks) > 1:
+            groups.setdefault(ranks, []).append(pid)
+    return dict(sorted(groups.items()))
+
+
+def emit(infos: Sequence[StageInfo], lowered: schedules.Table, *, world_rank: int, dp: int,
+         num_params: int) -> Program:
+    """The program of `world_rank` (replica world_rank // p, pipeline position world_rank % p)."""
+    p = lowered.num_ranks
+    replica, q = divmod(world_rank, p)
+    em = _Emitter(infos, lowered, q, lambda pos: replica * p + pos)
+    for action in lowered.rows[q]:
+        ACTIONS[action.kind](em, action.stage, action.microbatch)
+    em.flush()
+    tail = [Instr("reduce_grads", reads=tuple(f"g{pid}" for pid in pids), group=ranks)
+            for ranks, pids in grad_groups(infos, lowered, num_params, dp).items() if world_rank in ranks]
+    tail.append(Instr("reduce_loss"))
+    return Program(world_rank, insert_frees(em.out) + tuple(tail))

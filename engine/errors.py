@@ -1,0 +1,22 @@
+"""Exceptions of the engine: each names the numbers and the fix."""
+from __future__ import annotations
+
+
+class EngineError(ValueError):
+    """Base class of the engine's user-facing errors."""
+
+
+class SplitError(EngineError):
+    """No split of the model fits the devices; the message says what would."""
+
+
+class PlanError(EngineError):
+    """The requested stages / replicas / microbatches / schedule do not fit the world or the batch."""
+
+
+class RuntimeMismatchError(EngineError):
+    """Ranks hold different plans or programs, or a peer failed; the step refuses to run."""
+
+
+class CommTimeoutError(EngineError):
+    """A collective or point-to-point wait exceeded its timeout (a peer died or hung)."""

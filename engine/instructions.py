@@ -1,0 +1,83 @@
+"""Instructions of a per-rank program: small frozen values that print as a listing and round-trip JSON.
+
+Operands are references: `b12` a buffer, `p3` parameter leaf 3, `x4` batch leaf 4 of the current
+microbatch, `g3` the gradient accumulator of leaf 3, `_` nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import attrs
+
+COMPUTE = ("forward", "backward_input", "backward_weight")
+
+
+@attrs.frozen
+class CommOp:
+    """One point-to-point transfer inside a group: `send` or `recv` of buffers for (stage, mb)."""
+
+    op: str  # "send" | "recv"
+    what: str  # "act" | "grad"
+    stage: int
+    mb: int
+    peer: int  # world rank
+    bufs: tuple[str, ...]
+
+    def __str__(self) -> str:
+        arrow = "to" if self.op == "send" else "from"
+        return f"{self.op}_{self.what} s{self.stage} mb{self.mb} {arrow} r{self.peer} [{' '.join(self.bufs)}]"
+
+
+@attrs.frozen
+class Instr:
+    """`kind` selects the handler; `stage`/`mb` say whose work it is; `reads`/`writes` are refs."""
+
+    kind: str
+    stage: int = -1
+    mb: int = -1
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    comm: tuple[CommOp, ...] = ()
+    group: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        if self.kind == "comm":
+            return "comm { " + "; ".join(map(str, self.comm)) + " }"
+        head = self.kind + (f" s{self.stage}" if self.stage >= 0 else "") + (f" mb{self.mb}" if self.mb >= 0 else "")
+        grp = f" group={list(self.group)}" if self.group else ""
+        outs = f" -> [{' '.join(self.writes)}]" if self.writes else ""
+        return f"{head}{grp} [{' '.join(self.reads)}]{outs}"
+
+
+@attrs.frozen
+class Program:
+    """The static instruction list of one world rank."""
+
+    rank: int
+    instrs: tuple[Instr, ...]
+
+    def __str__(self) -> str:
+        lines = [f"program rank {self.rank} ({len(self.instrs)} instructions)"]
+        lines += [f"  {i:4d}: {ins}" for i, ins in enumerate(self.instrs)]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Program:
+        d = json.loads(text)
+        instrs = []
+        for i in d["instrs"]:
+            comm = tuple(CommOp(**{**c, "bufs": tuple(c["bufs"])}) for c in i["comm"])
+            instrs.append(Instr(i["kind"], i["stage"], i["mb"], tuple(i["reads"]), tuple(i["writes"]), comm,
+                                tuple(i["group"])))
+        return cls(d["rank"], tuple(instrs))
+
+
+def fingerprint(items: Any) -> str:
+    """sha256 of the JSON of plans/programs: equal on every rank or the run refuses to start."""
+    text = json.dumps(items, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

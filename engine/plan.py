@@ -1,0 +1,121 @@
+"""The Plan: how a model graph is cut into stages and laid out on ranks, with its predictions."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+import schedules
+
+from .names import abbreviate
+
+
+@attrs.frozen
+class StagePlan:
+    """One stage: equations [start, stop) of the microbatch graph, and its predicted cost."""
+
+    index: int
+    start: int
+    stop: int
+    rank: int
+    forward_time: float = 0.0
+    backward_input_time: float = 0.0
+    backward_weight_time: float = 0.0
+    param_bytes: int = 0
+    flops: int = 0
+    activation_bytes: int = 0
+    send_bytes: int = 0
+    peak_memory: int = 0
+    names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    num_params: int = 0
+
+    @property
+    def time(self) -> float:
+        """Predicted seconds for one microbatch's forward + backward."""
+        return self.forward_time + self.backward_input_time + self.backward_weight_time
+
+
+@attrs.frozen
+class Plan:
+    """Stages, placement and schedule for one model on `world_size = pipeline_depth · dp` ranks.
+
+    World rank r is replica r // pipeline_depth at pipeline position r % pipeline_depth; stage s runs
+    on pipeline position `table.rank_of(s)`.
+    """
+
+    schedule: str
+    num_stages: int
+    pipeline_depth: int
+    dp: int
+    microbatches: int
+    cuts: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    schedule_options: tuple[tuple[str, Any], ...] = ()
+    predicted_step_time: float = 0.0
+    bubble_fraction: float = 0.0
+    graph_hash: str = ""
+    device: str = "cpu"
+    memory_limit: int | None = None
+    link: str = ""
+    microbatch_size: int = 0
+    num_eqns: int = 0
+    allreduce_time: float = 0.0
+    rank_memory: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_depth * self.dp
+
+    def table(self) -> schedules.Table:
+        """The (unlowered) schedule table of this plan."""
+        return schedules.get(self.schedule)(self.num_stages, self.microbatches, **dict(self.schedule_options))
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self, recurse=True), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        d = json.loads(text)
+        d["stages"] = tuple(StagePlan(**{**s, "names": tuple(s["names"])}) for s in d["stages"])
+        d["cuts"] = tuple(d["cuts"])
+        d["schedule_options"] = tuple(tuple(kv) for kv in d["schedule_options"])
+        return cls(**d)
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+_COLUMNS = (("stage", 5), ("rank", 4), ("eqns", 9), ("modules", 26), ("params M", 8), ("GFLOP", 8),
+            ("fwd ms", 7), ("bwd ms", 7), ("act MB", 8), ("peak GB", 7), ("send MB", 7))
+_NAMES = 3  # the one left-aligned column
+
+
+def _cells(values: tuple[str, ...]) -> str:
+    return " ".join(f"{v:<{w}}" if i == _NAMES else f"{v:>{w}}" for i, (v, (_, w)) in enumerate(zip(values, _COLUMNS)))
+
+
+def _row(s: StagePlan) -> tuple[str, ...]:
+    width = _COLUMNS[_NAMES][1]
+    names = abbreviate(s.names) or "-"
+    return (str(s.index), str(s.rank), f"{s.start}-{s.stop - 1}", names if len(names) <= width else names[:width - 1] + "~",
+            f"{s.num_params / 1e6:.1f}", f"{s.flops / 1e9:.1f}", f"{s.forward_time * 1e3:.2f}",
+            f"{(s.backward_input_time + s.backward_weight_time) * 1e3:.2f}", f"{s.activation_bytes / 1e6:.1f}",
+            f"{s.peak_memory / 1e9:.2f}", f"{s.send_bytes / 1e6:.1f}")
+
+
+def format_plan(plan: Plan) -> str:
+    """A table of the stages (RaNNC-style log: per stage its equations, modules, size, time, memory and
+    traffic per microbatch), then the layout and the predicted step."""
+    lines = [_cells(tuple(name for name, _ in _COLUMNS)), *(_cells(_row(s)) for s in plan.stages)]
+    opts = "".join(f", {k}={v}" for k, v in plan.schedule_options)
+    limit = f"{plan.memory_limit / 1e9:.1f} GB" if plan.memory_limit else "none"
+    ranks = " ".join(f"{m / 1e9:.2f}" for m in plan.rank_memory) or "-"
+    lines += [
+        f"{plan.schedule}{opts}: {plan.num_stages} stages on {plan.pipeline_depth} ranks x dp {plan.dp} = "
+        f"{plan.world_size} ranks; {plan.microbatches} microbatches of {plan.microbatch_size}",
+        f"predicted step {plan.predicted_step_time * 1e3:.2f} ms (dp all-reduce {plan.allreduce_time * 1e3:.2f} ms), "
+        f"bubble {plan.bubble_fraction:.1%}",
+        f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; peak GB per rank {ranks}",
+    ]
+    return "\n".join(lines)

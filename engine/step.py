@@ -1,0 +1,178 @@
+"""`engine.parallelize`: a pure loss function becomes a pipelined `step(params, *batch) -> (loss, grads)`."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+import ir
+import schedules
+
+from . import launch
+from .emit import StageInfo, emit, grad_groups
+from .errors import PlanError, RuntimeMismatchError
+from .instructions import Program, fingerprint
+from .plan import Plan
+from .runtime import Executor, Hook
+from .transport import DistTransport, Hub, LocalTransport, Transport
+
+log = logging.getLogger("engine.runtime")
+
+
+def split_batch(batch: Sequence[Any], parts: int) -> list[list[torch.Tensor]]:
+    """Each batch leaf cut along dim 0 into `parts` equal chunks: result[k] = flat leaves of chunk k."""
+    leaves = pytree.tree_leaves(tuple(batch))
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % parts:
+            size = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else "no batch dim"
+            raise PlanError(f"batch leaf {i} has batch size {size}, which does not split into {parts} equal "
+                            "microbatches (microbatches x dp); pick a batch size that is a multiple of it")
+    chunks = [torch.tensor_split(x, parts, dim=0) for x in leaves]
+    return [[c[k] for c in chunks] for k in range(parts)]
+
+
+def microbatch_example(batch: Sequence[Any], parts: int) -> tuple[Any, ...]:
+    """The example batch's first microbatch, with the user's pytree structure."""
+    leaves, tree = pytree.tree_flatten(tuple(batch))
+    return tuple(pytree.tree_unflatten(split_batch(batch, parts)[0], tree))
+
+
+def stage_infos(graph: ir.Graph, plan: Plan, device: torch.device) -> list[StageInfo]:
+    """Every stage's slice and F/B/W programs (all ranks build all, so they can check each other)."""
+    infos = []
+    for st in ir.split(graph, plan.cuts):
+        const = range(len(st.param_ids), len(st.param_ids) + len(st.batch_ids))
+        infos.append(StageInfo(st, ir.stage_autodiff(st.graph, constant=const, device=str(device))))
+    return infos
+
+
+def build_programs(infos: Sequence[StageInfo], plan: Plan, num_params: int) -> tuple[schedules.Table, list[Program]]:
+    table = schedules.lower(plan.table())
+    schedules.validate(table)
+    progs = [emit(infos, table, world_rank=r, dp=plan.dp, num_params=num_params) for r in range(plan.world_size)]
+    return table, progs
+
+
+class Step:
+    """The compiled training step of one rank. Call `shard` once, then `step(params, *batch)`."""
+
+    def __init__(self, fn: Callable, graph: ir.Graph, plan: Plan, world: launch.World, transport: Transport,
+                 *, hook: Hook | None = None, infos: Sequence[StageInfo] | None = None,
+                 programs: tuple[schedules.Table, list[Program]] | None = None) -> None:
+        self.fn, self.graph, self.plan, self.world, self.transport = fn, graph, plan, world, transport
+        self.infos = list(infos) if infos is not None else stage_infos(graph, plan, world.device)
+        self.table, self.programs = programs or build_programs(self.infos, plan, graph.num_params)
+        self.position = world.rank % plan.pipeline_depth
+        self.replica = world.rank // plan.pipeline_depth
+        self.local_stages = self.table.stages_of(self.position)
+        self.local_params = sorted({pid for s in self.local_stages for pid in self.infos[s].stage.param_ids})
+        self.executor = Executor(self.program, self.infos, transport, microbatches=plan.microbatches,
+                                 dp=plan.dp, device=world.device, hook=hook)
+
+    @property
+    def program(self) -> Program:
+        """This rank's instruction list."""
+        return self.programs[self.world.rank]
+
+    def verify(self) -> None:
+        """All ranks must hold the same plan and program set; refuse to run otherwise."""
+        mine = fingerprint([self.plan.to_json(), self.graph_hash(), [p.to_json() for p in self.programs]])
+        prints = self.transport.all_gather_object(mine)
+        bad = [r for r, f in enumerate(prints) if f != prints[0]]
+        if bad:
+            raise RuntimeMismatchError(f"ranks {bad} built a different plan or program than rank 0 (fingerprints "
+                                       f"{[f[:12] for f in prints]}); every rank must call parallelize with the "
+                                       "same function, shapes, dtypes and options")
+
+    def graph_hash(self) -> str:
+        return fingerprint(str(self.graph))
+
+    def shard(self, params: Any) -> Any:
+        """This rank's leaves moved to its device; leaves used only by other ranks become None."""
+        leaves, tree = pytree.tree_flatten(params)
+        keep = set(self.local_params)
+        out = [x.detach().to(self.world.device) if i in keep else None for i, x in enumerate(leaves)]
+        return pytree.tree_unflatten(out, tree)
+
+    def __call__(self, params: Any, *batch: Any) -> tuple[torch.Tensor, Any]:
+        leaves, tree = pytree.tree_flatten(params, is_leaf=lambda x: x is None)
+        if len(leaves) != self.graph.num_params:
+            raise PlanError(f"params has {len(leaves)} leaves, the traced function {self.graph.num_params}; "
+                            "pass the tree returned by step.shard(params)")
+        local = {}
+        for pid in self.local_params:
+            x = leaves[pid]
+            want = self.graph.inputs[pid].aval
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want.shape or x.dtype != want.dtype:
+                raise PlanError(f"param '{self.graph.input_names[pid]}' on rank {self.world.rank} should be "
+                                f"{want}, got {getattr(x, 'shape', x)}; pass the tree from step.shard(params)")
+            local[pid] = x
+        m, dp = self.plan.microbatches, self.plan.dp
+        chunks = split_batch(batch, m * dp)[self.replica * m:(self.replica + 1) * m]
+        offset = self.graph.num_params
+        mbs = [{offset + j: x.to(self.world.device) for j, x in enumerate(c)} for c in chunks]
+        loss, grads = self.executor.run(local, mbs)
+        out = [grads.get(pid) if pid in local else None for pid in range(len(leaves))]
+        return loss, pytree.tree_unflatten(out, tree)
+
+    def gather(self, tree: Any) -> Any:
+        """The full tree on rank 0 (each leaf from the first replica's rank that holds it); None elsewhere."""
+        import torch.distributed as dist
+
+        leaves, spec = pytree.tree_flatten(tree, is_leaf=lambda x: x is None)
+        if self.world.size == 1:
+            return tree
+        owner = {pid: self.table.rank_of(min(s for s in range(len(self.infos)) if pid in self.infos[s].stage.param_ids))
+                 for pid in range(len(leaves)) if any(pid in i.stage.param_ids for i in self.infos)}
+        out = list(leaves) if self.world.rank == 0 else None
+        for pid, src in sorted(owner.items()):
+            if src == 0:
+                continue
+            aval = self.graph.inputs[pid].aval
+            if self.world.rank == src:
+                dist.send(leaves[pid].detach().contiguous(), dst=0)
+            elif self.world.rank == 0:
+                buf = torch.empty(aval.shape, dtype=aval.dtype, device=self.world.device)
+                dist.recv(buf, src=src)
+                out[pid] = buf
+        return pytree.tree_unflatten(out, spec) if out is not None else None
+
+
+def make_transport(world: launch.World, plan: Plan, infos_groups: Sequence[tuple[int, ...]], timeout: float) -> Transport:
+    if world.distributed:
+        return DistTransport(timeout, infos_groups)
+    return LocalTransport(Hub(1, timeout), 0)
+
+
+def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: str = "1f1b",
+                microbatches: int | str = 8, stages: int | str | None = None, dp: int | str | None = None,
+                memory_limit: int | None = None, stages_per_rank: int | None = None,
+                cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None) -> Step:
+    """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
+
+    For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
+    every rank and grads equal to `torch.func.grad(loss_fn)(params, *batch)` on the leaves this rank
+    holds (None elsewhere), for every schedule, stage count, microbatch count and dp degree.
+    """
+    from .planner import plan as make_plan
+
+    world = launch.init(timeout)
+    p = make_plan(loss_fn, params, *example_batch, world_size=world.size, schedule=schedule, stages=stages, dp=dp,
+                  microbatches=microbatches, memory_limit=memory_limit, device=world.device.type,
+                  stages_per_rank=stages_per_rank, cuts=cuts)
+    mb_example = microbatch_example(example_batch, p.microbatches * p.dp)
+    graph = ir.trace(loss_fn, params, *mb_example, device=world.device)
+    groups = _groups(graph, p)
+    transport = make_transport(world, p, groups, timeout)
+    step = Step(loss_fn, graph, p, world, transport, hook=hook)
+    step.verify()
+    log.info("rank %d: %s", world.rank, step.program)
+    return step
+
+
+def _groups(graph: ir.Graph, plan: Plan) -> list[tuple[int, ...]]:
+    """Every subgroup any rank will reduce over (created on all ranks, in one order)."""
+    infos_stub = [StageInfo(st, None) for st in ir.split(graph, plan.cuts)]  # type: ignore[arg-type]
+    return list(grad_groups(infos_stub, plan.table(), graph.num_params, plan.dp))

@@ -1,0 +1,171 @@
+"""Transports the runtime talks through: torch.distributed (NCCL/gloo) and an in-process hub.
+
+Both give the same semantics: `post` starts a group of sends and receives together (like
+`batch_isend_irecv`), `wait` blocks on one of them with a timeout, and `all_reduce` sums over a
+group of world ranks. Every wait is bounded, so a dead or hung peer becomes an exception.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommTimeoutError
+
+
+class Transport(Protocol):
+    rank: int
+    world_size: int
+
+    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]: ...
+    def wait(self, handle: Any, what: str) -> None: ...
+    def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+class DistTransport:
+    """torch.distributed: P2P through batch_isend_irecv, sums through cached subgroups."""
+
+    def __init__(self, timeout: float, groups: Sequence[tuple[int, ...]] = ()) -> None:
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout = timeout
+        self.nccl = dist.get_backend() == "nccl"
+        self.groups: dict[tuple[int, ...], Any] = {tuple(range(self.world_size)): None}
+        for g in sorted(set(groups)):  # new_group is collective: every rank creates every group, in order
+            if g not in self.groups:
+                self.groups[g] = dist.new_group(list(g), timeout=datetime.timedelta(seconds=timeout))
+
+    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]:
+        p2p = [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer) for op, peer, t in ops]
+        works = dist.batch_isend_irecv(p2p) if p2p else []
+        return list(works) if len(works) == len(p2p) else [works[0] if works else None] * len(p2p)
+
+    def wait(self, handle: Any, what: str) -> None:
+        if handle is None:
+            return
+        try:  # NCCL: wait() only orders streams; the process group's watchdog enforces the timeout
+            handle.wait() if self.nccl else handle.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise CommTimeoutError(f"rank {self.rank}: {what} failed or timed out after {self.timeout:.0f} s "
+                                   f"(a peer died or hangs): {str(exc).splitlines()[0]}") from exc
+
+    def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None:
+        if group not in self.groups:
+            raise KeyError(f"group {group} was not created at start-up")
+        work = dist.all_reduce(t, group=self.groups[group], async_op=True)
+        self.wait(work, f"all-reduce over ranks {list(group)}")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+class DeadlockError(RuntimeError):
+    """Every rank of an in-process run waits on another: the program can never finish."""
+
+
+class Hub:
+    """Shared state of an in-process run: P2P matched in issue order per (src, dst), rendezvous sums."""
+
+    def __init__(self, world_size: int, timeout: float = 30.0) -> None:
+        self.world_size, self.timeout = world_size, timeout
+        self.cv = threading.Condition()
+        self.sends: dict[tuple[int, int], list[list[Any]]] = {}
+        self.recvs: dict[tuple[int, int], list[list[Any]]] = {}
+        self.reduces: dict[tuple[tuple[int, ...], int], dict[int, Any]] = {}
+        self.waiting: dict[int, tuple[str, Any]] = {}
+        self.alive = set(range(world_size))
+        self.failure: str | None = None
+
+    def _match(self, key: tuple[int, int]) -> None:
+        sends, recvs = self.sends.get(key, []), self.recvs.get(key, [])
+        while sends and recvs:
+            s, r = sends.pop(0), recvs.pop(0)
+            if s[0].shape != r[0].shape or s[0].dtype != r[0].dtype:
+                self.failure = (f"rank {key[0]} sent {s[0].dtype}{list(s[0].shape)} but rank {key[1]} expected "
+                                f"{r[0].dtype}{list(r[0].shape)}")
+            else:
+                r[0].copy_(s[0])
+            s[1] = r[1] = True
+        self.cv.notify_all()
+
+    def post(self, rank: int, op: str, peer: int, t: torch.Tensor) -> list[Any]:
+        with self.cv:
+            h = [t.detach().clone() if op == "send" else t, False, f"{op} {'to' if op == 'send' else 'from'} r{peer}"]
+            key = (rank, peer) if op == "send" else (peer, rank)
+            (self.sends if op == "send" else self.recvs).setdefault(key, []).append(h)
+            self._match(key)
+            return h
+
+    def block(self, rank: int, what: str, done) -> None:
+        """Wait until `done()`; raise if the run failed, timed out, or every live rank is blocked."""
+        with self.cv:
+            self.waiting[rank] = (what, done)
+            try:
+                deadline = threading.TIMEOUT_MAX if self.timeout is None else self.timeout
+                if not self.cv.wait_for(lambda: done() or self.failure or self._deadlocked(), deadline):
+                    self.failure = f"rank {rank}: {what} timed out after {self.timeout} s"
+                if self.failure:
+                    raise DeadlockError(self.failure) if "deadlock" in self.failure else CommTimeoutError(self.failure)
+            finally:
+                self.waiting.pop(rank, None)
+
+    def _deadlocked(self) -> bool:
+        if self.alive and set(self.waiting) == self.alive and not any(d() for _, d in self.waiting.values()):
+            cycle = "; ".join(f"rank {r} waits on {w}" for r, (w, _) in sorted(self.waiting.items()))
+            self.failure = f"deadlock: every rank is waiting ({cycle})"
+            self.cv.notify_all()
+            return True
+        return False
+
+    def exit(self, rank: int, error: str | None = None) -> None:
+        with self.cv:
+            self.alive.discard(rank)
+            if error and not self.failure:
+                self.failure = f"rank {rank} failed: {error}"
+            self.cv.notify_all()
+
+
+class LocalTransport:
+    """One rank's view of a Hub: the runtime runs each rank in a thread of one process."""
+
+    def __init__(self, hub: Hub, rank: int) -> None:
+        self.hub, self.rank, self.world_size = hub, rank, hub.world_size
+        self.seq: dict[tuple[int, ...], int] = {}
+
+    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]:
+        return [self.hub.post(self.rank, op, peer, t) for op, peer, t in ops]
+
+    def wait(self, handle: Any, what: str) -> None:
+        self.hub.block(self.rank, f"{handle[2]} ({what})", lambda: handle[1])
+
+    def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None:
+        n = self.seq.get(group, 0)
+        self.seq[group] = n + 1
+        key = (group, n)
+        hub = self.hub
+        with hub.cv:
+            slot = hub.reduces.setdefault(key, {})
+            slot[self.rank] = t.detach().clone()
+            hub.cv.notify_all()
+        hub.block(self.rank, f"all-reduce over ranks {list(group)}", lambda: len(slot) == len(group))
+        total = sum(slot[r].clone() for r in group)  # rank order: every member gets identical bits
+        t.copy_(total)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        box = [None] * self.world_size
+        group = tuple(range(self.world_size))
+        n = self.seq.get(("obj",), 0)
+        self.seq[("obj",)] = n + 1
+        with self.hub.cv:
+            slot = self.hub.reduces.setdefault((("obj",), n), {})
+            slot[self.rank] = obj
+            self.hub.cv.notify_all()
+        self.hub.block(self.rank, "all-gather", lambda: len(slot) == len(group))
+        for r in group:
+            box[r] = slot[r]
+        return box
