@@ -10,9 +10,10 @@ import ir
 
 from .emit import StageInfo
 from .instructions import Instr, Program
+from .tracing import Tracer
 from .transport import Transport
 
-Hook = Callable[["Executor", Instr], None]
+Hook = Callable[["Executor", Instr], "str | None"]  # return "skip" to skip the instruction (test faults)
 
 
 class Executor:
@@ -22,6 +23,7 @@ class Executor:
                  microbatches: int, dp: int, device: torch.device, hook: Hook | None = None) -> None:
         self.program, self.infos, self.transport = program, infos, transport
         self.m, self.dp, self.device, self.hook = microbatches, dp, device, hook
+        self.tracer: Tracer | None = None
         self.parts: dict[tuple[int, str], Callable[..., Any]] = {}
         self.loss_dtype = infos[-1].stage.graph.outputs[-1].aval.dtype
 
@@ -35,12 +37,43 @@ class Executor:
         self.grads: dict[int, torch.Tensor] = {}
         self.loss = torch.zeros((), dtype=torch.float64 if self.loss_dtype == torch.float64 else torch.float32,
                                 device=self.device)
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.begin_step()
         for ins in self.program.instrs:
-            if self.hook is not None:
-                self.hook(self, ins)
-            HANDLERS[ins.kind](self, ins)
+            if self.hook is not None and self.hook(self, ins) == "skip":
+                continue
+            if tracer is not None and ins.kind != "free":
+                opened = tracer.around(ins)
+                HANDLERS[ins.kind](self, ins)
+                tracer.close(opened)
+            else:
+                HANDLERS[ins.kind](self, ins)
         self._drain_sends()
+        if tracer is not None:
+            tracer.end_step()
         return self.loss, self.grads
+
+    def warmup(self, stages: Sequence[int]) -> None:
+        """Run each local stage's F, B and W once on stand-in data, with no communication, so that every
+        kernel is loaded and every library handle made before a step (on GPU a kernel loaded lazily while
+        an NCCL kernel spins can deadlock). Nothing to do on CPU."""
+        if self.device.type == "cpu":
+            return
+        for s in stages:
+            ad = self.infos[s].ad
+            slots = {i: _stand_in(a, self.device) for i, a in enumerate(ad.slot_avals) if a is not None}
+            for kind in ("forward", "backward_input", "backward_weight"):
+                part = getattr(ad, kind)
+                outs = self._part(s, kind)(*[slots[i] for i in part.in_slots])
+                slots.update(zip(part.out_slots, outs))
+        torch.cuda.synchronize(self.device)
+
+    def _part(self, stage: int, kind: str) -> Callable[..., Any]:
+        key = (stage, kind)
+        if key not in self.parts:
+            self.parts[key] = ir.compile_graph(getattr(self.infos[stage].ad, kind).graph)
+        return self.parts[key]
 
     # -- operands -------------------------------------------------------------------------------
     def read(self, ref: str, mb: int) -> torch.Tensor:
@@ -56,9 +89,17 @@ class Executor:
     def write(self, ref: str, value: torch.Tensor) -> None:
         if ref[0] == "g":
             pid = int(ref[1:])
-            self.grads[pid] = value if pid not in self.grads else self.grads[pid] + value
+            if pid in self.grads:
+                self.grads[pid].add_(value)
+            else:  # a private copy: W's output may alias another value of the stage
+                self.grads[pid] = value.clone(memory_format=torch.contiguous_format)
         else:
             self.bufs[ref] = value
+
+    def _retire_sends(self) -> None:
+        """Forget sends that have finished. Sends are never waited on mid-step: on NCCL that would make
+        compute wait for the peer; the tensors stay referenced here until their transfer is done."""
+        self.sends = [(w, t) for w, t in self.sends if w is not None and not w.is_completed()]
 
     def _drain_sends(self) -> None:
         for work, _ in self.sends:
@@ -67,15 +108,12 @@ class Executor:
 
     # -- handlers -------------------------------------------------------------------------------
     def compute(self, ins: Instr) -> None:
-        key = (ins.stage, ins.kind)
-        if key not in self.parts:
-            self.parts[key] = ir.compile_graph(getattr(self.infos[ins.stage].ad, ins.kind).graph)
-        outs = self.parts[key](*[self.read(r, ins.mb) for r in ins.reads])
+        outs = self._part(ins.stage, ins.kind)(*[self.read(r, ins.mb) for r in ins.reads])
         for ref, value in zip(ins.writes, outs):
             self.write(ref, value)
 
     def comm(self, ins: Instr) -> None:
-        self._drain_sends()  # the previous group's sends finish before a new group starts
+        self._retire_sends()
         ops, recvs = [], []
         for c in ins.comm:
             info = self.infos[c.stage]
@@ -123,6 +161,13 @@ class Executor:
         self._drain_sends()
         if self.transport.world_size > 1:
             self.transport.all_reduce(self.loss, tuple(range(self.transport.world_size)))
+
+
+def _stand_in(aval: ir.AbstractValue, device: torch.device) -> torch.Tensor:
+    """Data of the right shape for a warm-up run: small random floats, zeros (valid indices) otherwise."""
+    if aval.dtype.is_floating_point:
+        return torch.randn(aval.shape, device=device).to(aval.dtype) * 0.01
+    return torch.zeros(aval.shape, dtype=aval.dtype, device=device)
 
 
 def _recv_aval(info: StageInfo, what: str, k: int) -> ir.AbstractValue:

@@ -16,6 +16,7 @@ from .errors import PlanError, RuntimeMismatchError
 from .instructions import Program, fingerprint
 from .plan import Plan
 from .runtime import Executor, Hook
+from .tracing import Span, Tracer
 from .transport import DistTransport, Hub, LocalTransport, Transport
 
 log = logging.getLogger("engine.runtime")
@@ -86,6 +87,20 @@ class Step:
                                        f"{[f[:12] for f in prints]}); every rank must call parallelize with the "
                                        "same function, shapes, dtypes and options")
 
+    def traced(self, params: Any, *batch: Any) -> tuple[torch.Tensor, Any, list[Span]]:
+        """One step with every instruction timed (CUDA events on GPU); returns this rank's spans too."""
+        self.executor.tracer = Tracer(self.world.rank, self.world.device)
+        try:
+            loss, grads = self(params, *batch)
+            spans = self.executor.tracer.spans
+        finally:
+            self.executor.tracer = None
+        return loss, grads, spans
+
+    def all_spans(self, spans: list[Span]) -> list[Span]:
+        """Every rank's spans (a collective: call it on all ranks)."""
+        return [s for part in self.transport.all_gather_object(spans) for s in part]
+
     def graph_hash(self) -> str:
         return fingerprint(str(self.graph))
 
@@ -140,10 +155,18 @@ class Step:
         return pytree.tree_unflatten(out, spec) if out is not None else None
 
 
-def make_transport(world: launch.World, plan: Plan, infos_groups: Sequence[tuple[int, ...]], timeout: float) -> Transport:
-    if world.distributed:
-        return DistTransport(timeout, infos_groups)
-    return LocalTransport(Hub(1, timeout), 0)
+def channels(programs: Sequence[Program]) -> list[tuple[int, int]]:
+    """Every ordered (sender, receiver) pair that any program uses."""
+    return sorted({(p.rank, c.peer) if c.op == "send" else (c.peer, p.rank)
+                   for p in programs for ins in p.instrs for c in ins.comm})
+
+
+def make_transport(world: launch.World, programs: Sequence[Program], infos: Sequence[StageInfo], plan: Plan,
+                   num_params: int, timeout: float) -> Transport:
+    if not world.distributed:
+        return LocalTransport(Hub(1, timeout), 0)
+    groups = list(grad_groups(infos, plan.table(), num_params, plan.dp))
+    return DistTransport(timeout, groups, channels(programs), world.device)
 
 
 def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: str = "1f1b",
@@ -164,15 +187,11 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                   stages_per_rank=stages_per_rank, cuts=cuts)
     mb_example = microbatch_example(example_batch, p.microbatches * p.dp)
     graph = ir.trace(loss_fn, params, *mb_example, device=world.device)
-    groups = _groups(graph, p)
-    transport = make_transport(world, p, groups, timeout)
-    step = Step(loss_fn, graph, p, world, transport, hook=hook)
+    infos = stage_infos(graph, p, world.device)
+    table, programs = build_programs(infos, p, graph.num_params)
+    transport = make_transport(world, programs, infos, p, graph.num_params, timeout)
+    step = Step(loss_fn, graph, p, world, transport, hook=hook, infos=infos, programs=(table, programs))
     step.verify()
+    step.executor.warmup(step.local_stages)
     log.info("rank %d: %s", world.rank, step.program)
     return step
-
-
-def _groups(graph: ir.Graph, plan: Plan) -> list[tuple[int, ...]]:
-    """Every subgroup any rank will reduce over (created on all ranks, in one order)."""
-    infos_stub = [StageInfo(st, None) for st in ir.split(graph, plan.cuts)]  # type: ignore[arg-type]
-    return list(grad_groups(infos_stub, plan.table(), graph.num_params, plan.dp))

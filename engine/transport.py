@@ -27,21 +27,47 @@ class Transport(Protocol):
 
 
 class DistTransport:
-    """torch.distributed: P2P through batch_isend_irecv, sums through cached subgroups."""
+    """torch.distributed: P2P over one-way channels, sums through cached subgroups.
 
-    def __init__(self, timeout: float, groups: Sequence[tuple[int, ...]] = ()) -> None:
+    Each ordered pair of ranks (a -> b) that exchanges tensors gets a communicator of its own that
+    carries only a -> b messages. On NCCL every communicator has its own stream, so a channel is a FIFO:
+    a send never blocks compute or the opposite direction, and no grouping of sends and receives
+    (whose asymmetric batching NCCL may hang on) is needed. Channels connect at start-up, in one
+    global order, so their lazy rendezvous cannot interleave with a step.
+    """
+
+    def __init__(self, timeout: float, groups: Sequence[tuple[int, ...]] = (),
+                 channels: Sequence[tuple[int, int]] = (), device: torch.device | None = None) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout = timeout
         self.nccl = dist.get_backend() == "nccl"
+        td = datetime.timedelta(seconds=timeout)
         self.groups: dict[tuple[int, ...], Any] = {tuple(range(self.world_size)): None}
         for g in sorted(set(groups)):  # new_group is collective: every rank creates every group, in order
             if g not in self.groups:
-                self.groups[g] = dist.new_group(list(g), timeout=datetime.timedelta(seconds=timeout))
+                self.groups[g] = dist.new_group(list(g), timeout=td)
+        self.channels: dict[tuple[int, int], Any] = {}
+        for a, b in sorted(set(channels)):
+            self.channels[(a, b)] = dist.new_group(sorted((a, b)), timeout=td)
+        self._connect(device or torch.device("cpu"))
+
+    def _connect(self, device: torch.device) -> None:
+        """One small message down every channel this rank is on, in the same order on all ranks."""
+        probe = torch.zeros(1, device=device)
+        for (a, b), g in sorted(self.channels.items()):
+            if self.rank == a:
+                self.wait(dist.isend(probe, b, group=g), f"connecting to rank {b}")
+            elif self.rank == b:
+                self.wait(dist.irecv(probe, a, group=g), f"connecting to rank {a}")
 
     def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]:
-        p2p = [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer) for op, peer, t in ops]
-        works = dist.batch_isend_irecv(p2p) if p2p else []
-        return list(works) if len(works) == len(p2p) else [works[0] if works else None] * len(p2p)
+        works = []
+        for op, peer, t in ops:
+            if op == "send":
+                works.append(dist.isend(t, peer, group=self.channels[(self.rank, peer)]))
+            else:
+                works.append(dist.irecv(t, peer, group=self.channels[(peer, self.rank)]))
+        return works
 
     def wait(self, handle: Any, what: str) -> None:
         if handle is None:
@@ -68,14 +94,24 @@ class DeadlockError(RuntimeError):
     """Every rank of an in-process run waits on another: the program can never finish."""
 
 
+class _LocalWork:
+    """A posted in-process send or receive: done once matched with its peer."""
+
+    def __init__(self, tensor: torch.Tensor, what: str) -> None:
+        self.tensor, self.what, self.done = tensor, what, False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
 class Hub:
     """Shared state of an in-process run: P2P matched in issue order per (src, dst), rendezvous sums."""
 
     def __init__(self, world_size: int, timeout: float = 30.0) -> None:
         self.world_size, self.timeout = world_size, timeout
         self.cv = threading.Condition()
-        self.sends: dict[tuple[int, int], list[list[Any]]] = {}
-        self.recvs: dict[tuple[int, int], list[list[Any]]] = {}
+        self.sends: dict[tuple[int, int], list[_LocalWork]] = {}
+        self.recvs: dict[tuple[int, int], list[_LocalWork]] = {}
         self.reduces: dict[tuple[tuple[int, ...], int], dict[int, Any]] = {}
         self.waiting: dict[int, tuple[str, Any]] = {}
         self.alive = set(range(world_size))
@@ -85,17 +121,17 @@ class Hub:
         sends, recvs = self.sends.get(key, []), self.recvs.get(key, [])
         while sends and recvs:
             s, r = sends.pop(0), recvs.pop(0)
-            if s[0].shape != r[0].shape or s[0].dtype != r[0].dtype:
-                self.failure = (f"rank {key[0]} sent {s[0].dtype}{list(s[0].shape)} but rank {key[1]} expected "
-                                f"{r[0].dtype}{list(r[0].shape)}")
+            if s.tensor.shape != r.tensor.shape or s.tensor.dtype != r.tensor.dtype:
+                self.failure = (f"rank {key[0]} sent {s.tensor.dtype}{list(s.tensor.shape)} but rank {key[1]} "
+                                f"expected {r.tensor.dtype}{list(r.tensor.shape)}")
             else:
-                r[0].copy_(s[0])
-            s[1] = r[1] = True
+                r.tensor.copy_(s.tensor)
+            s.done = r.done = True
         self.cv.notify_all()
 
-    def post(self, rank: int, op: str, peer: int, t: torch.Tensor) -> list[Any]:
+    def post(self, rank: int, op: str, peer: int, t: torch.Tensor) -> _LocalWork:
         with self.cv:
-            h = [t.detach().clone() if op == "send" else t, False, f"{op} {'to' if op == 'send' else 'from'} r{peer}"]
+            h = _LocalWork(t.detach().clone() if op == "send" else t, f"{op} {'to' if op == 'send' else 'from'} r{peer}")
             key = (rank, peer) if op == "send" else (peer, rank)
             (self.sends if op == "send" else self.recvs).setdefault(key, []).append(h)
             self._match(key)
@@ -141,7 +177,7 @@ class LocalTransport:
         return [self.hub.post(self.rank, op, peer, t) for op, peer, t in ops]
 
     def wait(self, handle: Any, what: str) -> None:
-        self.hub.block(self.rank, f"{handle[2]} ({what})", lambda: handle[1])
+        self.hub.block(self.rank, f"{handle.what} ({what})", lambda: handle.done)
 
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None:
         n = self.seq.get(group, 0)

@@ -5,6 +5,8 @@ Prints one line per configuration and exits non-zero at the first mismatch.
 """
 from __future__ import annotations
 
+import faulthandler
+import os
 import sys
 
 import torch
@@ -50,6 +52,8 @@ def check(cfg: dict, dtype: torch.dtype, rank: int) -> str:
 
 
 def main() -> int:
+    if os.environ.get("FNPIPE_HANG_DUMP"):
+        faulthandler.dump_traceback_later(float(os.environ["FNPIPE_HANG_DUMP"]), exit=True)
     world = engine.init()
     torch.manual_seed(0)
     failed = 0

@@ -1,0 +1,130 @@
+"""The cost model: seconds per equation (roofline of a device profile, or calibrated) and per message.
+
+An equation takes `launch + max(flops / achievable FLOP/s, bytes / achievable bandwidth)` with FLOPs
+and bytes from `ir.eqn_cost`; view-like equations are free. Where a calibration table holds the op's
+signature (op, shapes, dtypes, constant args), the measured time wins. Before stage autodiff exists
+for a stage, its backward is estimated per forward equation: a matrix op costs one forward per matrix
+operand (2.5 forwards for attention), charged to B (input grads) when the operand depends on the batch and
+to W (weight grads) when it derives from parameters alone; any other op costs one forward, in B unless
+all its differentiable inputs are parameters.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import attrs
+import torch
+
+import ir
+
+from .calibrate import Calibration, signature
+from .devices import DeviceProfile, LinkProfile
+
+ATTENTION_OPS = frozenset({
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+})
+MATRIX_OPS = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul", "einsum", "convolution", "_convolution",
+    "conv1d", "conv2d", "conv3d", "convolution_backward",
+}) | ATTENTION_OPS | frozenset(f"{op}_backward" for op in ATTENTION_OPS)
+BACKWARD_FACTOR = dict.fromkeys(ATTENTION_OPS, 2.5)  # forwards per differentiable input; default 1
+
+
+def base_name(op: str) -> str:
+    """`aten.mm.default` -> `mm`."""
+    parts = op.split(".")
+    return parts[1] if len(parts) > 1 else op
+
+
+def eqn_dtype(e: ir.Eqn) -> torch.dtype:
+    """The dtype an op computes in: its first floating input's, else its first output's."""
+    for v in (*e.inputs, *e.out_vars):
+        if v.aval.dtype.is_floating_point:
+            return v.aval.dtype
+    return e.out_vars[0].aval.dtype if e.out_vars else torch.float32
+
+
+@attrs.frozen
+class CostModel:
+    """Times of equations, graphs and messages for one device and link."""
+
+    device: DeviceProfile
+    link: LinkProfile
+    calibration: Calibration | None = None
+
+    def eqn_time(self, e: ir.Eqn) -> float:
+        """Predicted seconds for one equation; zero for views."""
+        cost = ir.eqn_cost(e)
+        if cost.flops == 0 and cost.bytes == 0:
+            return 0.0
+        if self.calibration is not None:
+            measured = self.calibration.times.get(signature(e))
+            if measured is not None:
+                return measured
+        rate = self.device.flops_for(eqn_dtype(e), base_name(e.op) in MATRIX_OPS)
+        return self.device.launch_overhead + max(cost.flops / rate, cost.bytes / self.device.bandwidth)
+
+    def eqn_times(self, g: ir.Graph) -> list[float]:
+        return [self.eqn_time(e) for e in g.eqns]
+
+    def graph_time(self, g: ir.Graph) -> float:
+        """Predicted seconds to run every equation of `g` once, one after another."""
+        return sum(self.eqn_times(g))
+
+    def comm_time(self, nbytes: int | float) -> float:
+        """Seconds to send `nbytes` over the link (0 when nothing crosses)."""
+        return self.link.time(nbytes)
+
+    def allreduce_time(self, nbytes: int | float, ranks: int) -> float:
+        """Ring all-reduce of `nbytes` over `ranks` replicas: 2(n-1)/n of the bytes, 2(n-1) latencies."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        steps = 2 * (ranks - 1)
+        return steps * self.link.latency + steps / ranks * nbytes / self.link.bandwidth
+
+
+def _grad_kinds(g: ir.Graph) -> tuple[set[ir.Var], set[ir.Var]]:
+    """Values that carry gradient (derived from float params), and those derived from params alone."""
+    params = set(g.params)
+    diff = {v for v in g.params if v.aval.dtype.is_floating_point}
+    param_only = set(params)
+    for e in g.eqns:
+        ins = e.inputs
+        for v in e.out_vars:
+            if v.aval.dtype.is_floating_point and any(u in diff for u in ins):
+                diff.add(v)
+            if ins and all(u in param_only for u in ins):
+                param_only.add(v)
+    return diff, param_only
+
+
+def backward_estimates(g: ir.Graph, times: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per forward equation, estimated seconds of its share of B and of W (see the module docstring)."""
+    diff, param_only = _grad_kinds(g)
+    b_times, w_times = [0.0] * len(g.eqns), [0.0] * len(g.eqns)
+    for i, e in enumerate(g.eqns):
+        if not times[i] or not any(v in diff for v in e.out_vars):
+            continue
+        grads = [u for u in dict.fromkeys(e.inputs) if u in diff]
+        base = base_name(e.op)
+        cost = times[i] * BACKWARD_FACTOR.get(base, 1.0)
+        if base in MATRIX_OPS:  # one product per matrix operand; a bias grad is a cheap row sum
+            for u in (u for u in grads if len(u.aval.shape) >= 2):
+                if u in param_only:
+                    w_times[i] += cost
+                else:
+                    b_times[i] += cost
+        elif all(u in param_only for u in grads):
+            w_times[i] += cost
+        else:  # one fused kernel makes every input grad, and it runs in B (as in stage autodiff)
+            b_times[i] += cost
+    return b_times, w_times
+
+
+def graph_hash(g: ir.Graph) -> str:
+    """sha256 of the printed graph (ops, shapes, dtypes, wiring) and its input names."""
+    text = str(g) + "\n" + "\n".join(f"{n}:{v.aval}" for n, v in zip(g.input_names, g.inputs))
+    return hashlib.sha256(text.encode()).hexdigest()
