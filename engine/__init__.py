@@ -1,13 +1,18 @@
 """fnpipe's engine: planning, per-rank programs, the runtime, launch, and the public `parallelize`."""
 from __future__ import annotations
 
+from . import checkpoint, optim, plancache
+from .checkpoint import CheckpointError
 from .errors import CommTimeoutError, EngineError, PlanError, RuntimeMismatchError, SplitError
 from .instructions import CommOp, Instr, Program
 from .launch import World, init
+from .module import ModuleError, functionalize
 from .plan import Plan, StagePlan
+from .plancache import PlanCacheError
 from .step import Step, parallelize
 
 __all__ = [
-    "CommOp", "CommTimeoutError", "EngineError", "Instr", "Plan", "PlanError", "Program", "RuntimeMismatchError",
-    "SplitError", "StagePlan", "Step", "World", "init", "parallelize",
+    "CheckpointError", "CommOp", "CommTimeoutError", "EngineError", "Instr", "ModuleError", "Plan", "PlanCacheError",
+    "PlanError", "Program", "RuntimeMismatchError", "SplitError", "StagePlan", "Step", "World", "checkpoint",
+    "functionalize", "init", "optim", "parallelize", "plancache",
 ]

@@ -34,7 +34,7 @@ from ir.trace import key_name
 
 from .errors import EngineError
 
-__all__ = ["CheckpointError", "export", "is_complete", "latest", "load", "save"]
+__all__ = ["CheckpointError", "export", "is_complete", "latest", "load", "read_manifest", "save"]
 
 FORMAT = "fnpipe-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -61,21 +61,38 @@ def save(path: str | os.PathLike, step: Any, params: Any, opt_state: Any = None,
     held = _gather(step, {k: {n: _describe(x) for n, x in leaves if isinstance(x, torch.Tensor)}
                           for k, leaves in trees.items()})  # also the barrier: the manifest is gone
     owner = {k: _owners(h[k] for h in held) for k in trees}
-    error = None
-    try:
+
+    def write_mine() -> None:
+        _check_values(trees["opt_state"])
         mine = {k: {n: x.detach().cpu() for n, x in leaves if owner[k].get(n) == rank} for k, leaves in trees.items()}
         _atomic_write(path / f"rank{rank}.pt", lambda f: torch.save(mine, f))
-    except Exception as exc:  # noqa: BLE001 -- every rank learns of it below, so none waits forever
-        error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    errors = [e for e in _gather(step, error) if e]
-    if errors:
-        raise CheckpointError(f"saving {path} failed ({'; '.join(errors)}); it has no manifest and will not "
-                              "be loaded; the previous checkpoint is untouched")
-    if rank == 0:
-        manifest = _manifest(step, size, trees, held, owner, params, opt_state, iteration, meta)
-        _atomic_write(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    _gather(step, None)  # nobody returns before the checkpoint is complete
+
+    def write_manifest() -> None:
+        if rank == 0:
+            manifest = _manifest(step, size, trees, held, owner, params, opt_state, iteration, meta)
+            _atomic_write(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+    for what, work in (("tensors", write_mine), ("manifest", write_manifest)):
+        errors = [e for e in _gather(step, _attempt(rank, work)) if e]  # every rank learns of a failure
+        if errors:
+            raise CheckpointError(f"saving the {what} of {path} failed ({'; '.join(errors)}); it has no manifest "
+                                  "and will not be loaded; other checkpoint directories are untouched")
     return path
+
+
+def _attempt(rank: int, work: Callable[[], None]) -> str | None:
+    try:
+        work()
+    except Exception as exc:  # noqa: BLE001 -- reported to every rank, so none waits for this one forever
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _check_values(leaves: list[tuple[str, Any]]) -> None:
+    for name, x in leaves:
+        if not (x is None or isinstance(x, (torch.Tensor, bool, int, float, str))):
+            raise CheckpointError(f"opt_state leaf '{name}' is a {type(x).__name__}; leaves must be tensors, None "
+                                  "or plain numbers/strings")
 
 
 def _manifest(step: Any, size: int, trees: dict, held: list, owner: dict, params: Any, opt_state: Any,
@@ -89,11 +106,8 @@ def _manifest(step: Any, size: int, trees: dict, held: list, owner: dict, params
             if holders:
                 shape, dtype = held[holders[0]][kind][name]
                 out.append({"name": name, "shape": shape, "dtype": dtype, "ranks": holders, "file": owner[kind][name]})
-            elif x is None or isinstance(x, (bool, int, float, str)):
+            else:  # None, or a plain value (checked by _check_values)
                 out.append({"name": name, "value": x})
-            else:
-                raise CheckpointError(f"opt_state leaf '{name}' is a {type(x).__name__}; leaves must be tensors, "
-                                      "None or plain numbers/strings")
         return out
 
     tree = lambda t: {"treespec": pytree.treespec_dumps(pytree.tree_structure(t, is_leaf=_is_none))}  # noqa: E731
@@ -216,7 +230,7 @@ def export(path: str | os.PathLike, step: Any, out_file: str | os.PathLike) -> P
     if _rank(step)[0] != 0:
         return None
     man = read_manifest(path)
-    full = {}
+    full: dict[str, Any] = {}
     for kind in ("params", "opt_state"):
         if man[kind] is None:
             full[kind] = None

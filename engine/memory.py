@@ -1,8 +1,8 @@
 """The memory model: bytes a stage needs per microbatch and statically, and the peak of each rank.
 
 A stage holds its parameters with their grads and optimizer state (`param bytes x (2 + optimizer
-factor)`, factor 2 for Adam), one send and one receive buffer each way, and per microbatch in flight the
-activations F saved for B/W plus the received input B/W read. How many microbatches are in flight is a
+factor)`, factor 2 for Adam), one send and one receive buffer each way, the temporaries of the one F, B or
+W running, and per microbatch in flight the activations F saved for B/W plus the received input B/W read. How many microbatches are in flight is a
 property of the schedule: a rank runs its actions in order, so walking its row (F opens a microbatch of
 that stage, its last backward action closes it) gives the exact peak for any timing. A rank holding
 several stages (interleaved, ZB-V) peaks at the largest sum over its stages, not at the sum of peaks.
@@ -36,9 +36,10 @@ class MemoryModel:
     margin: float = 0.10
 
     def stage(self, *, param_bytes: float, saved_bytes: float, recv_bytes: float = 0, send_bytes: float = 0,
-              b_to_w_bytes: float = 0) -> StageMemory:
-        """A stage's needs: weights, grads, optimizer state and comm buffers; saved + received per microbatch."""
-        static = param_bytes * (2 + self.optimizer_factor) + 2 * (recv_bytes + send_bytes)
+              b_to_w_bytes: float = 0, workspace_bytes: float = 0) -> StageMemory:
+        """A stage's needs: weights, grads, optimizer state, comm buffers and the temporaries of one F, B or W
+        at a time; per microbatch, what it saved and received."""
+        static = param_bytes * (2 + self.optimizer_factor) + 2 * (recv_bytes + send_bytes) + workspace_bytes
         return StageMemory(static, saved_bytes + recv_bytes, b_to_w_bytes)
 
     def peak(self, memory: StageMemory, live: int) -> float:

@@ -47,7 +47,7 @@ import ir
 
 from .errors import EngineError
 
-__all__ = ["ModuleError", "flat_names", "functionalize", "load_into"]
+__all__ = ["ModuleError", "check_module", "flat_names", "functionalize", "load_into"]
 
 BN_FIX = ("put the BatchNorm layers in eval mode (model.eval() or bn.eval()), or use GroupNorm / LayerNorm: "
           "a pure pipelined function cannot write running statistics, and batch statistics over a microbatch "
@@ -79,8 +79,9 @@ def functionalize(module: nn.Module, loss: Callable[..., torch.Tensor] | None = 
             out = functional_call(module, {**params, **buffers}, tuple(args))
         changed = [k for k, v in buffers.items() if v._version != versions[k]]
         if changed:
+            fix = BN_FIX if _has_bn(module) else "compute new tensors instead of writing into buffers"
             raise ModuleError(f"{type(module).__name__} wrote into buffer(s) {changed} in place; a pure "
-                              f"function cannot carry that state: {BN_FIX if _has_bn(module) else 'return new values instead'}")
+                              f"function cannot carry that state: {fix}")
         return out if loss is None else loss(out, *targets)
 
     fn.__name__ = f"{type(module).__name__}_loss"

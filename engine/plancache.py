@@ -31,8 +31,8 @@ from .errors import EngineError
 from .instructions import Program, fingerprint
 from .plan import Plan
 
-__all__ = ["CacheKey", "CachedPlan", "PlanCacheError", "cache_key", "fnpipe_version", "load", "load_or_plan",
-           "record_programs", "save"]
+__all__ = ["CacheKey", "CachedPlan", "PlanCacheError", "cache_key", "entry_path", "fnpipe_version", "load",
+           "load_or_plan", "record_programs", "save"]
 
 FORMAT = "fnpipe-plan/1"
 log = logging.getLogger("engine.plancache")
@@ -145,7 +145,8 @@ def load(path: str | os.PathLike, key: CacheKey) -> CachedPlan:
     except (OSError, ValueError) as exc:
         raise PlanCacheError(f"cannot read plan cache {path}: {exc}; delete it to re-plan") from exc
     if body.get("format") != FORMAT:
-        raise PlanCacheError(f"{path} has format {body.get('format')!r}, this fnpipe reads {FORMAT!r}; delete it to re-plan")
+        raise PlanCacheError(f"{path} has format {body.get('format')!r}, this fnpipe reads {FORMAT!r}; "
+                             "delete it to re-plan")
     diff = key.differences(body.get("key", {}))
     if diff:
         raise PlanCacheError(f"plan cache {path} does not fit this run: " + "; ".join(diff) +
@@ -200,8 +201,7 @@ def record_programs(entry: CachedPlan, programs: Sequence[Program], *, write: bo
         if write:
             save(entry.path, entry.key, entry.plan, programs)
         return
-    cached = fingerprint([p.to_json() for p in entry.programs])
-    if cached != fingerprint([p.to_json() for p in programs]):
+    cached, emitted = (fingerprint([p.to_json() for p in progs]) for progs in (entry.programs, programs))
+    if cached != emitted:
         raise PlanCacheError(f"{entry.path}: the plan matches but this fnpipe emits different programs for it "
-                             f"(fingerprint {fingerprint([p.to_json() for p in programs])[:12]} vs cached {cached[:12]}); "
-                             "delete the file to re-plan")
+                             f"(fingerprint {emitted[:12]}, cached {cached[:12]}); delete the file to re-plan")

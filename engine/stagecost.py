@@ -36,6 +36,7 @@ class StageCost:
     b_to_w_bytes: int              # B -> W per microbatch (exact only; 0 in estimates)
     recv_bytes: int
     send_bytes: int
+    workspace_bytes: int = 0       # peak temporaries of one F, B or W (exact only)
     exact: bool = False
 
     @property
@@ -44,7 +45,8 @@ class StageCost:
 
     def memory(self, model: MemoryModel) -> StageMemory:
         return model.stage(param_bytes=self.param_bytes, saved_bytes=self.saved_bytes, recv_bytes=self.recv_bytes,
-                           send_bytes=self.send_bytes, b_to_w_bytes=self.b_to_w_bytes)
+                           send_bytes=self.send_bytes, b_to_w_bytes=self.b_to_w_bytes,
+                           workspace_bytes=self.workspace_bytes)
 
 
 def _param_stats(graph: ir.Graph, params: Sequence[int]) -> tuple[int, int]:
@@ -73,6 +75,25 @@ def _slot_bytes(ad: ir.StageAD, slots: set[int]) -> int:
     return sum(ad.slot_avals[s].nbytes for s in slots)
 
 
+def transient_bytes(g: ir.Graph) -> int:
+    """Peak bytes of the values `g` makes and frees again (not its outputs, not views), run in order
+    with each value freed after its last use, as the runtime does."""
+    last, outputs = g.last_use(), set(g.outputs)
+    size: dict[ir.Var, int] = {}
+    live = peak = 0
+    for i, e in enumerate(g.eqns):
+        cost = ir.eqn_cost(e)
+        for v in e.out_vars:
+            if v not in outputs and v in last and (cost.flops or cost.bytes):
+                size[v] = v.aval.nbytes
+                live += size[v]
+        peak = max(peak, live)
+        for v in dict.fromkeys(e.inputs):
+            if last.get(v) == i and v in size:
+                live -= size.pop(v)
+    return peak
+
+
 def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str | None) -> StageCost:
     g = stage.graph
     n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
@@ -90,7 +111,8 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str
         flops=sum(ir.eqn_cost(e).flops for e in g.eqns), params=tuple(stage.param_ids), param_bytes=nbytes,
         num_params=numel, saved_bytes=_slot_bytes(ad, from_f), b_to_w_bytes=_slot_bytes(ad, b_to_w),
         recv_bytes=sum(order[v].aval.nbytes for v in stage.acts_in),
-        send_bytes=sum(order[v].aval.nbytes for v in stage.acts_out), exact=True)
+        send_bytes=sum(order[v].aval.nbytes for v in stage.acts_out),
+        workspace_bytes=max(transient_bytes(p.graph) for p in (f, b, w)), exact=True)
 
 
 def exact(graph: ir.Graph, cuts: Sequence[int], model: CostModel, *, device: str | None = None,

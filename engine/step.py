@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -155,6 +156,28 @@ class Step:
         return pytree.tree_unflatten(out, spec) if out is not None else None
 
 
+def calibration(world: launch.World, loss_fn: Callable, params: Any, batch: Sequence[Any], microbatches: Any,
+                dp: Any, where: bool | str | os.PathLike) -> Any:
+    """Rank 0 times the model's ops on its device (or loads the table from `where`); all ranks get it."""
+    from .calibrate import Calibration, calibrate_training
+
+    path = None if where is True else os.fspath(where)
+    table = Calibration.load(path) if path is not None and os.path.exists(path) and world.rank == 0 else None
+    if table is None and world.rank == 0:
+        parts = (microbatches if isinstance(microbatches, int) else world.size) * (dp if isinstance(dp, int) else 1)
+        graph = ir.trace(loss_fn, params, *microbatch_example(batch, parts), device=world.device)
+        table = calibrate_training(graph, world.device)
+        if path is not None:
+            table.save(path)
+    if world.distributed:  # always: rank 0's table wins, whatever each rank found on disk
+        import torch.distributed as dist
+
+        box = [table]
+        dist.broadcast_object_list(box, src=0)
+        table = box[0]
+    return table
+
+
 def channels(programs: Sequence[Program]) -> list[tuple[int, int]]:
     """Every ordered (sender, receiver) pair that any program uses."""
     return sorted({(p.rank, c.peer) if c.op == "send" else (c.peer, p.rank)
@@ -172,23 +195,40 @@ def make_transport(world: launch.World, programs: Sequence[Program], infos: Sequ
 def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: str = "1f1b",
                 microbatches: int | str = 8, stages: int | str | None = None, dp: int | str | None = None,
                 memory_limit: int | None = None, stages_per_rank: int | None = None,
-                cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None) -> Step:
+                cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None,
+                plan_cache: str | os.PathLike | None = None,
+                calibrate: bool | str | os.PathLike = False) -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
     every rank and grads equal to `torch.func.grad(loss_fn)(params, *batch)` on the leaves this rank
     holds (None elsewhere), for every schedule, stage count, microbatch count and dp degree.
+    `plan_cache` (a directory, or a .json deployment file) reuses a plan made for the same model,
+    world, schedule and options instead of planning again (engine.plancache). `calibrate=True` times
+    every op of the model once on rank 0's device before splitting, so the split balances measured
+    rather than roofline costs; a path reuses (or writes) that table, so reruns and plan caches agree.
     """
+    from . import plancache
     from .planner import plan as make_plan
 
     world = launch.init(timeout)
-    p = make_plan(loss_fn, params, *example_batch, world_size=world.size, schedule=schedule, stages=stages, dp=dp,
-                  microbatches=microbatches, memory_limit=memory_limit, device=world.device.type,
-                  stages_per_rank=stages_per_rank, cuts=cuts)
+    options = dict(stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
+                   device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts)
+    if calibrate:
+        options["calibration"] = calibration(world, loss_fn, params, example_batch, microbatches, dp, calibrate)
+    entry = None
+    if plan_cache is not None:
+        entry = plancache.load_or_plan(plan_cache, loss_fn, params, *example_batch, world_size=world.size,
+                                       schedule=schedule, write=world.rank == 0, **options)
+        p = entry.plan
+    else:
+        p = make_plan(loss_fn, params, *example_batch, world_size=world.size, schedule=schedule, **options)
     mb_example = microbatch_example(example_batch, p.microbatches * p.dp)
     graph = ir.trace(loss_fn, params, *mb_example, device=world.device)
     infos = stage_infos(graph, p, world.device)
     table, programs = build_programs(infos, p, graph.num_params)
+    if entry is not None:
+        plancache.record_programs(entry, programs, write=world.rank == 0)
     transport = make_transport(world, programs, infos, p, graph.num_params, timeout)
     step = Step(loss_fn, graph, p, world, transport, hook=hook, infos=infos, programs=(table, programs))
     step.verify()

@@ -99,23 +99,62 @@ def _ancestors(g: Graph, targets: Sequence[Any], exclude: set[int]) -> set[int]:
     return seen
 
 
-def _remat_views(g: Graph, part: set[int], before: set[int], avail: set[Var]) -> set[int]:
-    """Add to `part` the view equations of earlier parts whose operands are at hand, so that a view of
-    a saved value or an input is recomputed (free) instead of saved as another tensor."""
-    prod = g.producers()
-    changed = True
-    while changed:
-        changed = False
-        for i in sorted(part):
-            for v in g.eqns[i].inputs:
+CHEAP = frozenset({"aten.native_layer_norm.default"})  # memory-bound, recomputed from saved inputs
+
+
+def recomputable(e: Eqn) -> bool:
+    """Cheap to redo in the backward instead of saving: views, pointwise ops, layer norm."""
+    op = resolve(e.op)
+    return is_view(op) or torch.Tag.pointwise in op.tags or e.op in CHEAP
+
+
+def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set[int], set[int]]:
+    """F equations to recompute in B (`rb`) and in W (`rw`) instead of saving their outputs.
+
+    A cheap equation (view, pointwise, layer norm) is recomputed where its output is needed when every
+    operand is at hand there anyway (an input, a value that part computes, or a value saved for it), so
+    the saved bytes only fall. A value both B and W need is recomputed in B and handed to W, so no
+    equation runs in both B and W.
+    """
+    prod, prim = g.producers(), set(g.inputs)
+    rb: set[int] = set()
+    rw: set[int] = set()
+    for _ in range(8):  # a fixed point: each pass may make further operands available
+        saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw)
+        grown = False
+        for part, remat, other in ((b, rb, set()), (w, rw, rb)):
+            for v in _reads(g, part | remat):
                 j = prod.get(v)
-                if j is None or j in part or j not in before:
+                if j is None or j not in f or j in remat or j in other or not recomputable(g.eqns[j]):
                     continue
-                e = g.eqns[j]
-                if is_view(resolve(e.op)) and all(x in avail or prod.get(x) in part for x in e.inputs):
-                    part.add(j)
-                    changed = True
-    return part
+                if all(x in prim or x in saved or prod.get(x) in part | remat | other for x in g.eqns[j].inputs):
+                    remat.add(j)
+                    grown = True
+        if not grown:
+            break
+    return rb, rw
+
+
+def _recompute_all(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set[int], set[int]]:
+    """Every F equation that B or W depends on is redone in B (W takes what it needs from B)."""
+    needed = {v for v in _reads(g, b | w) if g.producers().get(v) in f}
+    return _ancestors(g, list(needed), set()) & f, set()
+
+
+def _reads(g: Graph, idx: set[int]) -> set[Var]:
+    return {v for i in idx for v in g.eqns[i].inputs}
+
+
+def _saved(g: Graph, f: set[int], b_need: set[Var], w_need: set[Var], rb: set[int], rw: set[int]) -> set[Var]:
+    """Values F must hand on: read (or returned) by B or W, made by an F equation the reader does not redo."""
+    prod = g.producers()
+    return {v for v in b_need if prod.get(v) in f - rb} | {v for v in w_need if prod.get(v) in f - rw - rb}
+
+
+def _needs(g: Graph, part: set[int], outputs: Sequence[Any]) -> set[Var]:
+    """What a part reads, plus outputs it returns without computing them."""
+    prod = g.producers()
+    return _reads(g, part) | {v for v in outputs if isinstance(v, Var) and prod.get(v) not in part}
 
 
 def _part(g: Graph, idx: set[int], slot: dict[Var, int], outputs: list[Var]) -> Part:
@@ -123,18 +162,15 @@ def _part(g: Graph, idx: set[int], slot: dict[Var, int], outputs: list[Var]) -> 
     return Part(sub, tuple(slot[v] for v in sub.inputs), tuple(slot[v] for v in outputs))
 
 
-def _needed_from(g: Graph, consumers: set[int], producers: set[int], outputs: Sequence[Any] = ()) -> list[Var]:
-    """Values that the eqns `consumers` read, or return as `outputs`, and that `producers` define."""
-    prod = g.producers()
-    need = {v for i in consumers for v in g.eqns[i].inputs if prod.get(v) in producers}
-    need |= {v for v in outputs if isinstance(v, Var) and prod.get(v) in producers}
-    return [v for v in g.defined() if v in need]
-
-
-def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None = None) -> StageAD:
+def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None = None,
+                   recompute: bool = False) -> StageAD:
     """Forward / B / W graphs for a stage graph `g` (see StageAD). B differentiates the non-param
     float inputs except those in `constant` (batch leaves), W the float params (the first
-    `g.num_params` inputs). `device` overrides the graph's device for tracing."""
+    `g.num_params` inputs). `device` overrides the graph's device for tracing.
+
+    `recompute=True` is activation recomputation: F keeps nothing but the stage's outputs, and B
+    redoes the forward work that B and W need (from the stage's inputs) before differentiating.
+    """
     n_in = len(g.inputs)
     skip = set(constant)
     diff_in = [i for i, v in enumerate(g.inputs) if _differentiable(v) and i not in skip]
@@ -145,24 +181,24 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None
     act_grads = [x for i, x in zip(diff_in, grads) if i >= g.num_params]
     param_grads = [x for i, x in zip(diff_in, grads) if i < g.num_params]
     f_idx = _ancestors(jg, outs, set())
-    b_own = _ancestors(jg, act_grads, f_idx)
-    w_own = _ancestors(jg, param_grads, f_idx | b_own)
-    prim = set(jg.inputs)
-    # B and W keep the view eqns they recompute (they may also be in F): a view is free, saving it is not.
-    b_idx = _remat_views(jg, set(b_own), f_idx, prim)
-    w_idx = _remat_views(jg, set(w_own), f_idx | b_own, prim)
+    b_idx = _ancestors(jg, act_grads, f_idx)
+    w_idx = _ancestors(jg, param_grads, f_idx | b_idx)
+    rb, rw = _recompute_all(jg, f_idx, b_idx, w_idx) if recompute else _rematerialize(jg, f_idx, b_idx, w_idx)
+    b_part, w_part = b_idx | rb, w_idx | rw
+    prod = jg.producers()
     slot = {v: i for i, v in enumerate(jg.inputs)}
-    # A multi-output backward op (native_layer_norm_backward) in B may define W's param grads too.
-    saved = {*_needed_from(jg, b_idx, f_idx - b_idx, act_grads),
-             *_needed_from(jg, w_idx, f_idx - w_idx, param_grads)}
-    saved_f = [v for v in jg.defined() if v in saved]
-    stash_b = _needed_from(jg, w_idx, b_own - w_idx, param_grads)
+    order = list(jg.defined())
+    b_need, w_need = _needs(jg, b_part, act_grads), _needs(jg, w_part, param_grads)
+    saved = _saved(jg, f_idx, b_need, w_need, rb, rw)
+    saved_f = [v for v in order if v in saved]
+    stash = {v for v in w_need if prod.get(v) in b_part and prod.get(v) not in w_part}
+    stash_b = [v for v in order if v in stash]
     out_vars = [v for v in outs if isinstance(v, Var)]
     for v in [*out_vars, *saved_f, *stash_b, *[x for x in grads if isinstance(x, Var)]]:
         slot.setdefault(v, len(slot))
     fwd = _part(jg, f_idx, slot, list(dict.fromkeys(out_vars + saved_f)))
-    bwd = _part(jg, b_idx, slot, list(dict.fromkeys(act_grads + stash_b)))
-    wgt = _part(jg, w_idx, slot, param_grads)
+    bwd = _part(jg, b_part, slot, list(dict.fromkeys(act_grads + stash_b)))
+    wgt = _part(jg, w_part, slot, param_grads)
     grad_slots: list[int | None] = [None] * n_in
     for i, x in zip(diff_in, grads):
         grad_slots[i] = slot[x]

@@ -63,7 +63,8 @@ class FxImporter:
 
     def _get_attr(self, node: torch.fx.Node) -> None:
         value = getattr(self.gm, node.target)
-        if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+        # A captured tensor that requires grad is a parameter the caller forgot: as a constant its grad is lost.
+        if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor or value.requires_grad:
             raise TraceError(
                 f"the function captures a tensor from outside ({node.target}, "
                 f"{getattr(value, 'shape', '?')}); pass it in params or the batch instead")

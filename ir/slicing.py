@@ -5,7 +5,7 @@ from typing import Iterable, Sequence
 
 import attrs
 
-from .core import Graph, Var
+from .core import Eqn, Graph, Var
 from .errors import IRError
 
 
@@ -75,10 +75,32 @@ def _check_cuts(g: Graph, cuts: Sequence[int]) -> list[int]:
     return bounds
 
 
+def no_grad_values(g: Graph) -> set[Var]:
+    """Values no gradient flows through: batch inputs, `detach` results, and what only they feed."""
+    frozen = set(g.batch)
+    for e in g.eqns:
+        if e.op == "aten.detach.default" or all(v in frozen for v in e.inputs):
+            frozen.update(e.out_vars)
+    return frozen
+
+
+def _redetach(g: Graph, values: Sequence[Var]) -> Graph:
+    """Detach received `values` first thing in the stage: its autodiff then sees constants, as the whole
+    graph did (batch_norm refuses a running_mean that requires grad)."""
+    fresh = {v: Var(v.aval) for v in values if v.aval.dtype.is_floating_point}
+    if not fresh:
+        return g
+    head = tuple(Eqn("aten.detach.default", (v,), (), (d,)) for v, d in fresh.items())
+    outputs = tuple(fresh.get(v, v) if isinstance(v, Var) else v for v in g.outputs)
+    return attrs.evolve(g, eqns=head + tuple(e.replace_inputs(fresh) for e in g.eqns), outputs=outputs)
+
+
 def split(g: Graph, cuts: Sequence[int]) -> tuple[Stage, ...]:
     """Cut `g` before each equation index in `cuts`; a value used by a later stage is carried through
-    the stages between, so each stage talks only to its neighbours."""
+    the stages between, so each stage talks only to its neighbours. A received value that carries no
+    gradient in `g` (see `no_grad_values`) is detached again in the receiving stage."""
     bounds = _check_cuts(g, cuts)
+    frozen = no_grad_values(g)
     order = list(g.defined())
     vid = {v: i for i, v in enumerate(order)}
     prod = g.producers()
@@ -109,6 +131,7 @@ def split(g: Graph, cuts: Sequence[int]) -> tuple[Stage, ...]:
         names = dict(zip(g.inputs, g.input_names)) if g.input_names else {}
         graph = attrs.evolve(sub, inputs=inputs, num_params=len(params),
                              input_names=tuple(names.get(v, f"%{vid[v]}") for v in inputs))
+        graph = _redetach(graph, [v for v in crossing_in if v in frozen])
         stages.append(Stage(k, bounds[k], bounds[k + 1], graph,
                             tuple(inputs_pos[v] for v in params), tuple(inputs_pos[v] for v in batch),
                             tuple(vid[v] for v in crossing_in), tuple(vid[v] for v in crossing_out)))

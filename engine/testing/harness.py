@@ -1,0 +1,313 @@
+"""`assert_parallel_equivalent`: the pipelined step of a model computes what `torch.func.grad` computes.
+
+In one process (the default) every rank's program runs in a thread of this process over an
+in-process hub with rendezvous semantics (`engine.inprocess`), so a program that deadlocks is
+reported (`ParallelDeadlock`) instead of hanging, and the full grad tree is compared. Under mpirun or
+torchrun (torch.distributed initialised, or a launcher's WORLD_SIZE > 1) the real runtime runs through
+`engine.parallelize` and each rank compares the leaves it holds; every rank then raises if any did.
+
+    from hypothesis import given
+    from engine.testing import assert_parallel_equivalent, plans
+
+    @given(plans(batch_size=16))
+    def test_my_model(spec):
+        assert_parallel_equivalent(loss_fn, params, x, y, plan=spec)
+
+Tolerances are per dtype (see `engine.testing.mismatch`). A failure raises `ParallelMismatch` (an
+AssertionError) reporting the first differing leaf by key path with its errors and values, the model
+description, the plan, the schedule and every rank's program listing.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+from typing import Any, Callable, Iterator, Sequence
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+import schedules
+
+from ..emit import emit
+from ..errors import CommTimeoutError
+from ..inprocess import run_steps
+from ..launch import World
+from ..plan import Plan
+from ..planner import MULTI_STAGE_SCHEDULES
+from ..runtime import Hook
+from ..step import Step, build_programs, microbatch_example
+from ..transport import DeadlockError, Hub, LocalTransport
+from ._cache import graph_of, stage_infos
+from .mismatch import LeafDiff, ParallelDeadlock, ParallelMismatch, compare_leaves, format_failure
+from .models import ModelCase
+from .plans import PlanSpec
+
+__all__ = ["STATS", "Checked", "Equivalence", "assert_parallel_equivalent", "format_stats", "in_distributed_job"]
+
+
+@attrs.frozen
+class Checked:
+    """What `STATS` counts equivalence checks by."""
+
+    schedule: str
+    world_size: int
+    dp: int
+    dtype: str
+
+
+STATS: collections.Counter[Checked] = collections.Counter()
+
+
+@attrs.frozen
+class Equivalence:
+    """A passed check: the plan it ran, both losses and the worst relative error over loss and grads."""
+
+    plan: Plan
+    loss: float
+    expected_loss: float
+    max_rel_error: float
+    worst: str
+    leaves: int
+    distributed: bool
+
+
+def format_stats(stats: collections.Counter[Checked] | None = None) -> str:
+    """One line per schedule: checks run, by world size and dp."""
+    stats = STATS if stats is None else stats
+    by: dict[str, collections.Counter[str]] = {}
+    for key, n in stats.items():
+        by.setdefault(key.schedule, collections.Counter())[f"w{key.world_size}/dp{key.dp}/{key.dtype}"] += n
+    lines = [f"fnpipe equivalence checks: {sum(stats.values())}"]
+    for name in sorted(by):
+        lines.append(f"  {name}: {sum(by[name].values())} ({', '.join(f'{k} {v}' for k, v in sorted(by[name].items()))})")
+    return "\n".join(lines)
+
+
+def in_distributed_job() -> bool:
+    """True under mpirun/torchrun with more than one rank (or an initialised multi-rank process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    return any(int(os.environ.get(v, "1")) > 1 for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+
+
+@contextlib.contextmanager
+def _one_thread_per_rank() -> Iterator[None]:
+    """The ranks are threads already; OpenMP's own threads on top spin against them (on a busy machine a
+    layer norm of a few elements took 8 ms instead of 5 us), so ops run single-threaded during the check."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- one process
+
+
+def inprocess_steps(fn: Callable, params: Any, batch: Sequence[Any], plan: Plan, *, hook: Hook | None = None,
+                    timeout: float = 60.0) -> tuple[Step, ...]:
+    """Like `engine.inprocess.build_steps`, with the trace and stage autodiff cached across calls. A schedule
+    whose table is already lowered (it holds SEND/RECV actions) is emitted as written, without
+    `schedules.validate`, so the runtime itself shows what such a table does (a deadlock, say)."""
+    graph = graph_of(fn, params, microbatch_example(batch, plan.microbatches * plan.dp))
+    infos = stage_infos(graph, plan.cuts)
+    table = plan.table()
+    if table.is_lowered:
+        programs = (table, [emit(infos, table, world_rank=r, dp=plan.dp, num_params=graph.num_params)
+                            for r in range(plan.world_size)])
+    else:
+        programs = build_programs(infos, plan, graph.num_params)
+    hub = Hub(plan.world_size, timeout)
+    return tuple(Step(fn, graph, plan, World(r, plan.world_size, r, torch.device("cpu"), False),
+                      LocalTransport(hub, r), hook=hook, infos=infos, programs=programs)
+                 for r in range(plan.world_size))
+
+
+def _diagnose(table: schedules.Table) -> str:
+    """What `schedules.validate` says about a table whose programs could not finish."""
+    try:
+        schedules.validate(table)
+    except schedules.ScheduleError as err:
+        return f"\nschedules.validate on the lowered table: {err}"
+    return ""
+
+
+def _plan_for(spec: PlanSpec, fn: Callable, params: Any, batch: Sequence[Any]) -> Plan:
+    graph = graph_of(fn, params, microbatch_example(batch, spec.microbatches * spec.dp))
+    return spec.to_plan(fn, params, *batch, graph=graph)
+
+
+# ---------------------------------------------------------------- the check
+
+
+def _spec(schedule: str, stages: int | None, microbatches: int | None, dp: int | None, stages_per_rank: int | None,
+          cuts: Sequence[int] | None, batch: Sequence[Any], world: int | None) -> PlanSpec:
+    """A PlanSpec from the keyword form; in one process `stages` defaults to a pipeline depth of 2."""
+    v = stages_per_rank or (2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+    dp = dp or 1
+    stages = stages or (len(cuts) + 1 if cuts is not None else v * (world // dp if world else 2))
+    if microbatches is None:
+        microbatches = _default_microbatches(schedule, stages, v, dp, batch)
+    return PlanSpec(schedule, stages, microbatches, dp, v, cuts=cuts)
+
+
+def _default_microbatches(schedule: str, stages: int, v: int, dp: int, batch: Sequence[Any]) -> int:
+    """The count nearest 2 x depth that divides the batch and that the schedule accepts."""
+    size = int(pytree.tree_leaves(tuple(batch))[0].shape[0]) // dp
+    p, fn = max(1, stages // v), schedules.get(schedule)
+    key = MULTI_STAGE_SCHEDULES.get(schedule)
+    for m in sorted((d for d in range(1, size + 1) if size % d == 0), key=lambda d: (d < p, abs(d - 2 * p))):
+        try:
+            fn(stages, m, **({key: v} if key else {}))
+            return m
+        except schedules.ScheduleError:
+            continue
+    return 1
+
+
+def _unpack(fn: Any, params: Any, batch: tuple[Any, ...], description: str | None) -> tuple[Any, ...]:
+    if isinstance(fn, ModelCase):
+        if params is not None or batch:
+            raise TypeError("pass a ModelCase alone (its params and batch are used), or fn, params, *batch")
+        return fn.fn, fn.params, fn.batch, description or fn.description
+    return fn, params, batch, description
+
+
+def assert_parallel_equivalent(fn: Callable | ModelCase, params: Any = None, *batch: Any,
+                               plan: PlanSpec | Plan | None = None, schedule: str = "1f1b", stages: int | None = None,
+                               microbatches: int | None = None, dp: int | None = None,
+                               stages_per_rank: int | None = None, cuts: Sequence[int] | None = None,
+                               rtol: float | None = None, atol: float | None = None, hook: Hook | None = None,
+                               timeout: float = 60.0, distributed: bool | None = None,
+                               description: str | None = None) -> Equivalence:
+    """Run `fn(params, *batch)` (a scalar loss, a mean over the batch) as a pipeline and check that its loss
+    and every grad leaf equal `torch.func.grad_and_value(fn)(params, *batch)` on the full batch.
+
+    The layout is `plan` (a `PlanSpec`, e.g. drawn by `plans()`, or an `engine.Plan`) or the keywords. In
+    one process `stages` defaults to 2 ranks' worth, `dp` to 1 and `microbatches` to about twice the pipeline
+    depth; under a launcher the job's world is used and unset keywords go to the planner. `fn` may be a
+    `ModelCase` (then pass nothing else positionally; its description goes in failure reports). `rtol`/`atol`
+    default per dtype (see `engine.testing.mismatch`). `hook(executor, instr)` runs before every instruction
+    (fault injection, see `engine.testing.faults`). Returns an `Equivalence`; raises `ParallelMismatch`.
+    """
+    fn, params, batch, description = _unpack(fn, params, batch, description)
+    if distributed is None:
+        distributed = in_distributed_job()
+    world = _job_size(timeout) if distributed else None
+    the_plan = plan if isinstance(plan, Plan) and not distributed else None
+    if isinstance(plan, Plan):
+        spec = None if the_plan else PlanSpec(plan.schedule, plan.num_stages, plan.microbatches, plan.dp,
+                                              plan.num_stages // plan.pipeline_depth, cuts=plan.cuts)
+    else:
+        spec = plan or _spec(schedule, stages, microbatches, dp, stages_per_rank, cuts, batch, world)
+    if spec is not None and world is not None and spec.world_size != world:
+        raise ValueError(f"{spec} needs {spec.world_size} ranks but the job has {world}; draw plans() with "
+                         f"world_sizes=({world},) (the default under a launcher)")
+    with contextlib.nullcontext() if distributed else _one_thread_per_rank():
+        grads_ref, loss_ref = torch.func.grad_and_value(fn)(params, *batch)
+        check = _Check(fn, params, batch, spec, description, rtol, atol, loss_ref, grads_ref)
+        if distributed:
+            return check.distributed(hook, timeout)
+        return check.inprocess(the_plan or _plan_for(spec, fn, params, batch), hook, timeout)
+
+
+def _job_size(timeout: float) -> int:
+    from .. import launch
+
+    return launch.init(timeout).size
+
+
+@attrs.define
+class _Check:
+    fn: Callable
+    params: Any
+    batch: tuple[Any, ...]
+    spec: PlanSpec | None
+    description: str | None
+    rtol: float | None
+    atol: float | None
+    loss_ref: torch.Tensor
+    grads_ref: Any
+
+    def names(self) -> list[str]:
+        from ir.trace import key_name
+
+        return [key_name(p) or "params" for p, _ in pytree.tree_flatten_with_path(self.params)[0]]
+
+    def report(self, headline: str, plan: Plan | None, programs: Sequence[Any], diffs: Sequence[LeafDiff] = ()) -> str:
+        return format_failure(headline, description=self.description, spec=self.spec, plan=plan, programs=programs,
+                              diffs=diffs)
+
+    def inprocess(self, plan: Plan, hook: Hook | None, timeout: float) -> Equivalence:
+        steps = inprocess_steps(self.fn, self.params, self.batch, plan, hook=hook, timeout=timeout)
+        programs = steps[0].programs
+        try:
+            result = run_steps(steps, self.params, self.batch)
+        except (DeadlockError, CommTimeoutError) as exc:
+            headline = f"the ranks' programs cannot finish: {exc}{_diagnose(steps[0].table)}"
+            raise ParallelDeadlock(self.report(headline, plan, programs)) from exc
+        except Exception as exc:
+            raise ParallelMismatch(self.report(f"the parallel run failed: {type(exc).__name__}: {exc}", plan,
+                                               programs)) from exc
+        actual = pytree.tree_leaves(result.grads, is_leaf=lambda x: x is None)
+        return self.verdict(plan, programs, result.loss, actual, distributed=False)
+
+    def verdict(self, plan: Plan, programs: Sequence[Any], loss: torch.Tensor, actual: Sequence[Any], *,
+                distributed: bool, skip: Sequence[bool] = ()) -> Equivalence:
+        names, expected = self.names(), pytree.tree_leaves(self.grads_ref)
+        keep = [i for i in range(len(expected)) if not (skip and skip[i])]
+        diffs = compare_leaves(["loss"], [loss], [self.loss_ref], rtol=self.rtol, atol=self.atol)
+        diffs += compare_leaves([names[i] for i in keep], [actual[i] for i in keep], [expected[i] for i in keep],
+                                rtol=self.rtol, atol=self.atol)
+        STATS[Checked(plan.schedule, plan.world_size, plan.dp, str(self.loss_ref.dtype).replace("torch.", ""))] += 1
+        bad = [d for d in diffs if not d.ok]
+        message = None
+        if bad:
+            what = "the loss differs" if bad[0].name == "loss" else "grads differ"
+            message = self.report(f"{what} from torch.func.grad_and_value(fn) on the full batch "
+                                  f"({len(bad)} of {len(diffs)} values)", plan, programs, diffs)
+        if distributed:
+            message = _gather_failure(message)
+        if message:
+            raise ParallelMismatch(message)
+        worst = max(diffs, key=lambda d: d.rel)
+        return Equivalence(plan, float(loss), float(self.loss_ref), worst.rel, worst.name, len(diffs) - 1, distributed)
+
+    def distributed(self, hook: Hook | None, timeout: float) -> Equivalence:
+        import engine
+
+        spec = self.spec
+        assert spec is not None
+        cuts = None
+        if spec.cuts is not None or spec.weights is not None:
+            graph = graph_of(self.fn, self.params, microbatch_example(self.batch, spec.microbatches * spec.dp))
+            cuts = spec.resolve_cuts(len(graph.eqns))
+        step = engine.parallelize(self.fn, self.params, *self.batch, schedule=spec.schedule, microbatches=spec.microbatches,
+                                  stages=spec.stages, dp=spec.dp, stages_per_rank=spec.stages_per_rank, cuts=cuts,
+                                  timeout=timeout, hook=hook)
+        try:
+            loss, grads = step(step.shard(self.params), *self.batch)
+        except Exception as exc:
+            raise ParallelMismatch(self.report(f"rank {step.world.rank}: the parallel run failed: "
+                                               f"{type(exc).__name__}: {exc}", step.plan, step.programs)) from exc
+        actual = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
+        skip = [pid not in step.local_params for pid in range(len(actual))]
+        return self.verdict(step.plan, step.programs, loss.cpu(), actual, distributed=True, skip=skip)
+
+
+def _gather_failure(message: str | None) -> str | None:
+    """Every rank learns every rank's verdict, so all raise together (hypothesis then shrinks in step)."""
+    import torch.distributed as dist
+
+    verdicts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, message)
+    failed = [(r, m) for r, m in enumerate(verdicts) if m]
+    if not failed:
+        return None
+    r, first = failed[0]
+    return f"rank {r} (of ranks {[x for x, _ in failed]} that differ) reports: {first}"

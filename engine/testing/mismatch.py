@@ -1,0 +1,131 @@
+"""Comparing a parallel run's loss and grads with `torch.func.grad`, and the failure report.
+
+Tolerances per dtype (relative to the largest magnitude of the expected leaf):
+
+    float64  1e-10   (observed ~1e-15: only the order of the microbatch sums differs)
+    float32  1e-5    (observed ~1e-7)
+    float16  2e-3
+    bfloat16 2e-2    (8 mantissa bits; microbatch partial sums round differently)
+
+A leaf passes when `max|actual - expected| <= atol + rtol * max|expected|`. The default `atol` is
+`rtol * scale`, `scale` being the largest expected magnitude over all grad leaves (the loss is compared
+on its own): a grad that is zero in exact arithmetic (a bias before a layer norm, the query weights of
+attention over one token) is rounding noise in both runs, and noise far below the model's grad scale
+is not a mismatch. A leaf's reported relative error is `max abs err / (max|expected| + atol / rtol)`, so
+it passes exactly when that is at most `rtol`.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+__all__ = ["RTOL", "LeafDiff", "ParallelDeadlock", "ParallelMismatch", "compare_leaves", "default_rtol",
+           "format_failure"]
+
+RTOL: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3,
+                                  torch.bfloat16: 2e-2}
+PROGRAM_HEAD, PROGRAM_TAIL = 60, 15  # lines of each rank's listing kept in a failure report
+SHOWN_VALUES = 6
+
+
+class ParallelMismatch(AssertionError):
+    """The pipelined step's loss or grads differ from `torch.func.grad(fn)` (or its run failed)."""
+
+
+class ParallelDeadlock(ParallelMismatch):
+    """The ranks' programs cannot finish: every rank waits on another (or a wait timed out)."""
+
+
+def default_rtol(dtype: torch.dtype) -> float:
+    return RTOL.get(dtype, 1e-5)
+
+
+@attrs.frozen
+class LeafDiff:
+    """How one leaf (or the loss) compares: worst absolute error, where, and relative to the leaf's scale."""
+
+    name: str
+    max_abs: float
+    rel: float
+    tol: float
+    index: tuple[int, ...]
+    expected: tuple[float, ...]
+    actual: tuple[float, ...]
+    dtype: torch.dtype
+    missing: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and self.max_abs <= self.tol
+
+    def describe(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        if self.missing:
+            return f"'{self.name}': the parallel run returned no grad, torch.func.grad has max |g| {self.max_abs:.3g}"
+        head = (f"'{self.name}' ({dt}): max abs err {self.max_abs:.3e} at index {list(self.index)}, relative "
+                f"{self.rel:.3e}; tolerance {self.tol:.3e} (atol + rtol * max|expected|)")
+        vals = lambda xs: "[" + ", ".join(f"{x:.6g}" for x in xs) + "]"  # noqa: E731
+        return f"{head}\n    expected {vals(self.expected)}\n    actual   {vals(self.actual)}"
+
+
+def _diff(name: str, actual: torch.Tensor | None, expected: torch.Tensor, rtol: float, atol: float) -> LeafDiff:
+    e = expected.detach().to("cpu", torch.float64).reshape(-1)
+    scale = e.abs().max().item() if e.numel() else 0.0
+    if actual is None:
+        return LeafDiff(name, scale, 1.0 if scale else 0.0, atol, (), (), (), expected.dtype, missing=scale > 0)
+    a = actual.detach().to("cpu", torch.float64).reshape(-1)
+    if a.shape != e.shape:
+        return LeafDiff(name, float("inf"), float("inf"), 0.0, (), (), (), expected.dtype, missing=True)
+    err = (a - e).abs()
+    k = int(err.argmax()) if err.numel() else 0
+    max_abs = err[k].item() if err.numel() else 0.0
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(k), expected.shape)) if expected.dim() else ()
+    lo = max(0, min(k - SHOWN_VALUES // 2, e.numel() - SHOWN_VALUES))
+    ref = scale + (atol / rtol if rtol > 0 else 0.0)  # what the tolerance is relative to: rel <= rtol passes
+    return LeafDiff(name, max_abs, max_abs / ref if ref else max_abs, atol + rtol * scale, idx,
+                    tuple(e[lo:lo + SHOWN_VALUES].tolist()), tuple(a[lo:lo + SHOWN_VALUES].tolist()), expected.dtype)
+
+
+def compare_leaves(names: Sequence[str], actual: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor], *,
+                   rtol: float | None, atol: float | None) -> list[LeafDiff]:
+    """One LeafDiff per leaf; `actual[i] is None` means the parallel run gave no grad for leaf i."""
+    scale = max([x.detach().abs().max().item() for x in expected if x.numel()] or [0.0])
+    out = []
+    for name, a, e in zip(names, actual, expected):
+        r = default_rtol(e.dtype) if rtol is None else rtol
+        out.append(_diff(name, a, e, r, r * scale if atol is None else atol))
+    return out
+
+
+def _listing(program: Any) -> str:
+    lines = str(program).splitlines()
+    if len(lines) <= PROGRAM_HEAD + PROGRAM_TAIL + 1:
+        return "\n".join(lines)
+    cut = len(lines) - PROGRAM_HEAD - PROGRAM_TAIL
+    return "\n".join([*lines[:PROGRAM_HEAD], f"  ... {cut} instructions omitted ...", *lines[-PROGRAM_TAIL:]])
+
+
+def format_failure(headline: str, *, description: str | None, spec: Any, plan: Any, programs: Sequence[Any],
+                   diffs: Sequence[LeafDiff] = ()) -> str:
+    """The report: what differs, the model, the plan, the schedule, and every rank's program listing."""
+    parts = [headline]
+    bad = [d for d in diffs if not d.ok]
+    if bad:
+        parts.append(f"first differing leaf {bad[0].describe()}")
+        parts.append(f"{len(bad)} of {len(diffs)} compared values differ: "
+                     + ", ".join(f"{d.name} ({'missing' if d.missing else f'{d.rel:.1e}'})" for d in bad[:12])
+                     + (" ..." if len(bad) > 12 else ""))
+    if description:
+        parts.append(f"model: {description}")
+    if spec is not None:
+        parts.append(f"plan spec: {spec}")
+    if plan is not None:
+        parts.append(f"plan:\n{plan}")
+        try:
+            parts.append(f"schedule table (as the schedule function returns it):\n{plan.table().to_grid(crop=True)}")
+        except Exception as exc:  # noqa: BLE001 -- the report must not hide the mismatch behind a print error
+            parts.append(f"schedule table: cannot build ({exc})")
+    parts += [_listing(p) for p in programs]
+    return "\n".join(parts)
