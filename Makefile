@@ -18,7 +18,7 @@ $(VENV)/.done: pyproject.toml
 setup: $(VENV)/.done
 
 demo: setup
-	$(PY) examples/demo.py
+	$(VENV)/bin/mpirun -n 2 --oversubscribe $(PY) examples/demo.py
 
 test: setup
 	$(PY) -m pytest -q tests

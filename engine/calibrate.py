@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 def _describe(x: Any) -> Any:
     if isinstance(x, ir.Var):
         return str(x.aval)
+    if isinstance(x, torch.device):  # cuda:0 on one rank is cuda:1 on the next: same op, same time
+        return x.type
     if isinstance(x, ir.Literal):
         return str(x)
     return repr(x)

@@ -14,6 +14,25 @@ import attrs
 COMPUTE = ("forward", "backward_input", "backward_weight")
 
 
+def format_refs(refs: tuple[str, ...]) -> str:
+    """`p0 p1 p2 x5 b7` prints as `p0..p2 x5 b7`: runs of consecutive refs of one kind are folded."""
+    out: list[str] = []
+    run: list[str] = []
+    for ref in refs:
+        if run and ref[0] == run[-1][0] and ref[1:].isdigit() and run[-1][1:].isdigit() \
+                and int(ref[1:]) == int(run[-1][1:]) + 1:
+            run.append(ref)
+            continue
+        out.append(_fold(run))
+        run = [ref]
+    out.append(_fold(run))
+    return " ".join(x for x in out if x)
+
+
+def _fold(run: list[str]) -> str:
+    return " ".join(run) if len(run) < 3 else f"{run[0]}..{run[-1]}"
+
+
 @attrs.frozen
 class CommOp:
     """One point-to-point transfer inside a group: `send` or `recv` of buffers for (stage, mb)."""
@@ -27,7 +46,7 @@ class CommOp:
 
     def __str__(self) -> str:
         arrow = "to" if self.op == "send" else "from"
-        return f"{self.op}_{self.what} s{self.stage} mb{self.mb} {arrow} r{self.peer} [{' '.join(self.bufs)}]"
+        return f"{self.op}_{self.what} s{self.stage} mb{self.mb} {arrow} r{self.peer} [{format_refs(self.bufs)}]"
 
 
 @attrs.frozen
@@ -47,8 +66,8 @@ class Instr:
             return "comm { " + "; ".join(map(str, self.comm)) + " }"
         head = self.kind + (f" s{self.stage}" if self.stage >= 0 else "") + (f" mb{self.mb}" if self.mb >= 0 else "")
         grp = f" group={list(self.group)}" if self.group else ""
-        outs = f" -> [{' '.join(self.writes)}]" if self.writes else ""
-        return f"{head}{grp} [{' '.join(self.reads)}]{outs}"
+        outs = f" -> [{format_refs(self.writes)}]" if self.writes else ""
+        return f"{head}{grp} [{format_refs(self.reads)}]{outs}"
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ import attrs
 
 import schedules
 
+from .errors import PlanError
 from .names import abbreviate
 
 
@@ -62,6 +63,15 @@ class Plan:
     num_eqns: int = 0
     allreduce_time: float = 0.0
     rank_memory: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    # per stage: F keeps only the stage's outputs and B redoes the forward (activation recomputation)
+    recompute: tuple[bool, ...] = attrs.field(
+        default=attrs.Factory(lambda self: (False,) * self.num_stages, takes_self=True),
+        converter=lambda flags: tuple(bool(f) for f in flags))
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.recompute) != self.num_stages:
+            raise PlanError(f"recompute has {len(self.recompute)} flags for {self.num_stages} stages; give one "
+                            "bool per stage (or leave it out: no recomputation)")
 
     @property
     def world_size(self) -> int:
@@ -118,4 +128,6 @@ def format_plan(plan: Plan) -> str:
         f"bubble {plan.bubble_fraction:.1%}",
         f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; peak GB per rank {ranks}",
     ]
+    if any(plan.recompute):
+        lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ on its own range.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import attrs
@@ -16,7 +17,9 @@ import schedules
 
 from .blocks import Blocks
 from .costmodel import CostModel
-from .memory import MemoryModel, StageMemory
+from .errors import SplitError
+from .memory import MemoryModel, StageMemory, gib
+from .split import FIX, BlockCosts, Partition, partition, split_costs
 
 
 @attrs.frozen
@@ -36,8 +39,9 @@ class StageCost:
     b_to_w_bytes: int              # B -> W per microbatch (exact only; 0 in estimates)
     recv_bytes: int
     send_bytes: int
-    workspace_bytes: int = 0       # peak temporaries of one F, B or W (exact only)
+    workspace_bytes: int = 0       # peak temporaries of one F, B or W (exact; estimated when recomputing)
     exact: bool = False
+    recompute: bool = False        # activation recomputation: B redoes F, F keeps only the outputs
 
     @property
     def time(self) -> float:
@@ -53,21 +57,27 @@ def _param_stats(graph: ir.Graph, params: Sequence[int]) -> tuple[int, int]:
     return (sum(graph.inputs[i].aval.nbytes for i in params), sum(graph.inputs[i].aval.numel for i in params))
 
 
-def estimate(graph: ir.Graph, blocks: Blocks, bounds: Sequence[int], saved_scale: Sequence[float] | None = None) -> tuple[StageCost, ...]:
+def estimate(graph: ir.Graph, blocks: Blocks, bounds: Sequence[int], saved_scale: Sequence[float] | None = None,
+             recompute: Sequence[bool] = ()) -> tuple[StageCost, ...]:
     """Stages of blocks [bounds[k], bounds[k+1]) from the blocks' sums; the first stage has no B
-    (nothing upstream needs its input grad), so its backward counts as W."""
+    (nothing upstream needs its input grad), so its backward counts as W. A stage with `recompute[k]`
+    keeps nothing per microbatch, redoes its forward in the backward, and holds one microbatch's
+    activations while it does (its workspace)."""
     scale = saved_scale or [1.0] * blocks.num_blocks
     out = []
     for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
         params = tuple(sorted(frozenset().union(*blocks.params[i:j])))
         nbytes, numel = _param_stats(graph, params)
-        b, w = sum(blocks.backward_input[i:j]), sum(blocks.backward_weight[i:j])
+        redo = k < len(recompute) and recompute[k]
+        f = sum(blocks.forward[i:j])
+        b, w = sum(blocks.backward_input[i:j]) + (f if redo else 0.0), sum(blocks.backward_weight[i:j])
+        saved = int(sum(blocks.saved[x] * scale[x] for x in range(i, j)))
         out.append(StageCost(
-            start=blocks.bounds[i], stop=blocks.bounds[j], forward=sum(blocks.forward[i:j]),
+            start=blocks.bounds[i], stop=blocks.bounds[j], forward=f,
             backward_input=0.0 if k == 0 else b, backward_weight=w + b if k == 0 else w,
             flops=sum(blocks.flops[i:j]), params=params, param_bytes=nbytes, num_params=numel,
-            saved_bytes=int(sum(blocks.saved[x] * scale[x] for x in range(i, j))), b_to_w_bytes=0,
-            recv_bytes=blocks.cut_bytes[i], send_bytes=blocks.cut_bytes[j]))
+            saved_bytes=0 if redo else saved, b_to_w_bytes=0, recv_bytes=blocks.cut_bytes[i],
+            send_bytes=blocks.cut_bytes[j], workspace_bytes=saved if redo else 0, recompute=redo))
     return tuple(out)
 
 
@@ -94,10 +104,14 @@ def transient_bytes(g: ir.Graph) -> int:
     return peak
 
 
-def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str | None) -> StageCost:
+def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str | None,
+                 recompute: bool = False) -> StageCost:
+    """Costs of a stage from its F/B/W graphs. With `recompute`, B's graph holds the redone forward, so
+    its time includes it, and what B computes for W (the recomputed activations W reads) lives while B
+    and W run: B's temporaries plus that hand-over are the stage's workspace."""
     g = stage.graph
     n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
-    ad = ir.stage_autodiff(g, constant=range(n_params, n_params + n_batch), device=device)
+    ad = ir.stage_autodiff(g, constant=range(n_params, n_params + n_batch), device=device, recompute=recompute)
     f, b, w = ad.forward, ad.backward_input, ad.backward_weight
     n_in = len(g.inputs)
     from_f = {s for s in (*b.in_slots, *w.in_slots) if s >= n_in and s in set(f.out_slots)}
@@ -105,6 +119,7 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str
     b_to_w = set(w.in_slots) & (set(b.out_slots) - grads)
     order = list(graph.defined())
     nbytes, numel = _param_stats(graph, stage.param_ids)
+    handed = _slot_bytes(ad, b_to_w) if recompute else 0
     return StageCost(
         start=stage.start, stop=stage.stop, forward=model.graph_time(f.graph),
         backward_input=model.graph_time(b.graph), backward_weight=model.graph_time(w.graph),
@@ -112,18 +127,22 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str
         num_params=numel, saved_bytes=_slot_bytes(ad, from_f), b_to_w_bytes=_slot_bytes(ad, b_to_w),
         recv_bytes=sum(order[v].aval.nbytes for v in stage.acts_in),
         send_bytes=sum(order[v].aval.nbytes for v in stage.acts_out),
-        workspace_bytes=max(transient_bytes(p.graph) for p in (f, b, w)), exact=True)
+        workspace_bytes=max(transient_bytes(f.graph), transient_bytes(b.graph) + handed,
+                            transient_bytes(w.graph) + handed), exact=True, recompute=recompute)
 
 
 def exact(graph: ir.Graph, cuts: Sequence[int], model: CostModel, *, device: str | None = None,
-          cache: dict[tuple[int, int], StageCost] | None = None) -> tuple[StageCost, ...]:
-    """Exact costs of the stages `ir.split(graph, cuts)`, traced through stage autodiff."""
+          cache: dict[tuple[int, int, bool], StageCost] | None = None,
+          recompute: Sequence[bool] = ()) -> tuple[StageCost, ...]:
+    """Exact costs of the stages `ir.split(graph, cuts)`, traced through stage autodiff (stage k with
+    activation recomputation when `recompute[k]`)."""
     cache = {} if cache is None else cache
     out = []
     for stage in ir.split(graph, cuts):
-        key = (stage.start, stage.stop)
+        redo = stage.index < len(recompute) and bool(recompute[stage.index])
+        key = (stage.start, stage.stop, redo)
         if key not in cache:
-            cache[key] = _exact_stage(graph, stage, model, device)
+            cache[key] = _exact_stage(graph, stage, model, device, redo)
         out.append(cache[key])
     return tuple(out)
 
@@ -159,3 +178,106 @@ def schedule_costs(stages: Sequence[StageCost], table: schedules.Table, model: C
         comm_bandwidth=model.link.bandwidth, activation_bytes=tuple(float(s.send_bytes) for s in stages),
         memory_per_microbatch=tuple(m.per_microbatch for m in mems),
         memory_b_to_w=tuple(m.b_to_w for m in mems), static_memory=static)
+
+
+# -- activation recomputation per stage ------------------------------------------------------------------
+
+RECOMPUTE_MODES = (False, True, "auto")
+FIX_NO_RECOMPUTE = ("make it fit with more pipeline stages or a smaller microbatch (more microbatches per step); "
+                    "or raise memory_limit")
+
+
+@attrs.frozen
+class RecomputeCosts:
+    """Block ranges as stages that recompute: F keeps nothing per microbatch, B redoes F (its seconds
+    are added) and holds that one microbatch's activations while it runs (a workspace, not per microbatch)."""
+
+    costs: BlockCosts
+    forward: tuple[float, ...]      # per block, seconds of F (paid twice)
+    _fwd_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
+    _param_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
+    _saved_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        for name, values in (("_fwd_sum", self.forward), ("_param_sum", self.costs.param_bytes),
+                             ("_saved_sum", self.costs.saved)):
+            object.__setattr__(self, name, tuple(itertools.accumulate(values, initial=0.0)))
+
+    def time(self, i: int, j: int) -> float:
+        return self.costs.stage_time(i, j) + self._fwd_sum[j] - self._fwd_sum[i]
+
+    def peak(self, i: int, j: int, live: int, memory: MemoryModel) -> float:
+        m = memory.stage(param_bytes=self._param_sum[j] - self._param_sum[i], saved_bytes=0,
+                         recv_bytes=self.costs.cut_bytes[i], send_bytes=self.costs.cut_bytes[j],
+                         workspace_bytes=self._saved_sum[j] - self._saved_sum[i])
+        return memory.peak(m, live)
+
+
+def split_recompute(rc: RecomputeCosts, num_stages: int, *, mode: bool | str, live: Sequence[int],
+                    budgets: Sequence[float], memory: MemoryModel,
+                    names: Sequence[str] = ()) -> tuple[Partition, tuple[bool, ...]]:
+    """The fastest split and which of its stages recompute. `mode` False: none; True: all; "auto": a
+    stage recomputes only when it does not fit its budget without (and does with; it then pays the
+    redone forward), so with room to spare this is exactly `split_costs`."""
+    costs = rc.costs
+    if mode is False:
+        try:
+            return split_costs(costs, num_stages, live=live, budgets=budgets, memory=memory, names=names), \
+                (False,) * num_stages
+        except SplitError as err:
+            helps = costs.num_blocks >= num_stages and _partition(rc, num_stages, "auto", live, budgets, memory)
+            raise SplitError(_retell(str(err), helps=bool(helps))) from None
+    if num_stages > costs.num_blocks:
+        split_costs(costs, num_stages, live=live, budgets=budgets, memory=memory)  # raises the count error
+    found = _partition(rc, num_stages, mode, live, budgets, memory)
+    if found is None:
+        raise SplitError(_recompute_infeasible(rc, num_stages, live, budgets, memory, names))
+    return found
+
+
+def _partition(rc: RecomputeCosts, num_stages: int, mode: bool | str, live: Sequence[int],
+               budgets: Sequence[float], memory: MemoryModel) -> tuple[Partition, tuple[bool, ...]] | None:
+    costs = rc.costs
+
+    def plain(s: int, i: int, j: int) -> bool:
+        return mode is not True and costs.stage_peak(i, j, live[s], memory) <= budgets[s]
+
+    def fits(s: int, i: int, j: int) -> bool:
+        return plain(s, i, j) or rc.peak(i, j, live[s], memory) <= budgets[s]
+
+    def time(s: int, i: int, j: int) -> float:
+        return costs.stage_time(i, j) if plain(s, i, j) else rc.time(i, j)
+
+    found = partition(costs.num_blocks, num_stages, time, fits)
+    if found is None:
+        return None
+    b = found.bounds
+    return found, tuple(not plain(s, b[s], b[s + 1]) for s in range(num_stages))
+
+
+def _retell(message: str, *, helps: bool) -> str:
+    """A split error without recomputation: say whether recomputation would have made it fit."""
+    if helps:
+        return message.replace(FIX, "activation recomputation makes it fit: pass recompute='auto' (or True); "
+                                    "or " + FIX.replace("activation recomputation, ", ""))
+    return message.replace(FIX, FIX_NO_RECOMPUTE + " (activation recomputation would not make it fit either)")
+
+
+def _recompute_infeasible(rc: RecomputeCosts, num_stages: int, live: Sequence[int], budgets: Sequence[float],
+                          memory: MemoryModel, names: Sequence[str]) -> str:
+    """Like `split.infeasible_message`, for the smaller of each stage's peaks with and without recomputation."""
+    def peak(s: int, i: int, j: int) -> float:
+        return min(rc.costs.stage_peak(i, j, live[s], memory), rc.peak(i, j, live[s], memory))
+
+    over = partition(rc.costs.num_blocks, num_stages, lambda s, i, j: peak(s, i, j) - budgets[s])
+    assert over is not None  # num_stages <= num_blocks was checked by the caller
+    b = over.bounds
+    stage = max(range(num_stages), key=lambda s: peak(s, b[s], b[s + 1]) - budgets[s])
+    block = max(range(rc.costs.num_blocks), key=lambda k: rc.peak(k, k + 1, max(live), memory))
+    label = f" ({names[block]})" if names else ""
+    return (f"no split into {num_stages} stages fits, even with activation recomputation: stage {stage} needs at "
+            f"least {gib(peak(stage, b[stage], b[stage + 1]))} with {live[stage]} microbatch"
+            f"{'es' if live[stage] != 1 else ''} in flight, its limit is {gib(budgets[stage])}; the largest single "
+            f"block{label} needs {gib(rc.peak(block, block + 1, max(live), memory))} alone when it recomputes "
+            f"({gib(rc.costs.param_bytes[block] * (2 + memory.optimizer_factor))} of weights, grads and optimizer "
+            f"state); {FIX_NO_RECOMPUTE}")

@@ -46,7 +46,8 @@ def stage_infos(graph: ir.Graph, plan: Plan, device: torch.device) -> list[Stage
     infos = []
     for st in ir.split(graph, plan.cuts):
         const = range(len(st.param_ids), len(st.param_ids) + len(st.batch_ids))
-        infos.append(StageInfo(st, ir.stage_autodiff(st.graph, constant=const, device=str(device))))
+        ad = ir.stage_autodiff(st.graph, constant=const, device=str(device), recompute=plan.recompute[st.index])
+        infos.append(StageInfo(st, ad))
     return infos
 
 

@@ -91,3 +91,22 @@ def stage_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
         if s.kind in ("forward", "backward_input", "backward_weight"):
             by.setdefault((s.stage, s.kind), []).append(s.end - s.start)
     return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+
+
+def render_spans(spans: Sequence[Span], *, width: int = 96) -> str:
+    """Measured timeline as text: one line per rank, each compute instruction drawn as its label
+    followed by `-` over its duration, `.` where the rank's compute stream was idle."""
+    comp = [s for s in spans if s.kind in ("forward", "backward_input", "backward_weight")]
+    if not comp:
+        return "(no compute spans)"
+    end = max(s.end for s in comp)
+    scale = width / end
+    lines = [f"measured step: {end * 1e3:.1f} ms, {width} columns of {end / width * 1e3:.2f} ms"]
+    for rank in sorted({s.rank for s in comp}):
+        row = ["."] * width
+        for s in sorted((s for s in comp if s.rank == rank), key=lambda s: s.start):
+            a, b = int(s.start * scale), max(int(s.start * scale) + 1, int(s.end * scale))
+            cells = (s.name + "-" * width)[: b - a]
+            row[a:b] = list(cells)
+        lines.append(f"r{rank} " + "".join(row[:width]))
+    return "\n".join(lines)

@@ -54,40 +54,69 @@ class DistTransport:
     def _connect(self, device: torch.device) -> None:
         """One small message down every channel this rank is on, in the same order on all ranks."""
         probe = torch.zeros(1, device=device)
-        for (a, b), g in sorted(self.channels.items()):
+        for (a, b), _ in sorted(self.channels.items()):
             if self.rank == a:
-                self.wait(dist.isend(probe, b, group=g), f"connecting to rank {b}")
+                self.wait(self.post([("send", b, probe)])[0], f"connecting to rank {b}")
             elif self.rank == b:
-                self.wait(dist.irecv(probe, a, group=g), f"connecting to rank {a}")
+                self.wait(self.post([("recv", a, probe)])[0], f"connecting to rank {a}")
 
     def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]:
         works = []
         for op, peer, t in ops:
-            if op == "send":
-                works.append(dist.isend(t, peer, group=self.channels[(self.rank, peer)]))
-            else:
-                works.append(dist.irecv(t, peer, group=self.channels[(peer, self.rank)]))
+            where = f"{op} {'to' if op == 'send' else 'from'} rank {peer}"
+            try:  # gloo raises here at once when the peer's socket is already gone
+                if op == "send":
+                    work = dist.isend(t, peer, group=self.channels[(self.rank, peer)])
+                else:
+                    work = dist.irecv(t, peer, group=self.channels[(peer, self.rank)])
+            except RuntimeError as exc:
+                raise self._failure(where, exc, (peer,)) from exc
+            works.append(_DistWork(work, where, (peer,)))
         return works
 
     def wait(self, handle: Any, what: str) -> None:
         if handle is None:
             return
         try:  # NCCL: wait() only orders streams; the process group's watchdog enforces the timeout
-            handle.wait() if self.nccl else handle.wait(datetime.timedelta(seconds=self.timeout))
+            handle.work.wait() if self.nccl else handle.work.wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            raise CommTimeoutError(f"rank {self.rank}: {what} failed or timed out after {self.timeout:.0f} s "
-                                   f"(a peer died or hangs): {str(exc).splitlines()[0]}") from exc
+            raise self._failure(f"{what} ({handle.where})", exc, handle.peers) from exc
+
+    def _failure(self, what: str, exc: BaseException, peers: Sequence[int]) -> CommTimeoutError:
+        """The error a survivor raises: who it is, what it waited for, and which peer to look at."""
+        who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {list(peers)}"
+        return CommTimeoutError(f"rank {self.rank}: {what} failed (timeout {self.timeout:g} s): {who} died or "
+                                f"hangs; check its log. {str(exc).splitlines()[0]}")
 
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None:
         if group not in self.groups:
             raise KeyError(f"group {group} was not created at start-up")
-        work = dist.all_reduce(t, group=self.groups[group], async_op=True)
-        self.wait(work, f"all-reduce over ranks {list(group)}")
+        where = f"all-reduce over ranks {list(group)}"
+        peers = tuple(r for r in group if r != self.rank)
+        try:
+            work = dist.all_reduce(t, group=self.groups[group], async_op=True)
+        except RuntimeError as exc:
+            raise self._failure(where, exc, peers) from exc
+        self.wait(_DistWork(work, where, peers), "summing")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        try:  # bounded by the default group's timeout, which launch.init sets from parallelize(timeout=)
+            dist.all_gather_object(out, obj)
+        except RuntimeError as exc:
+            peers = tuple(r for r in range(self.world_size) if r != self.rank)
+            raise self._failure("all-gather of plan fingerprints", exc, peers) from exc
         return out
+
+
+class _DistWork:
+    """A posted torch.distributed request and what it was, so that a failure names the peer."""
+
+    def __init__(self, work: Any, where: str, peers: tuple[int, ...]) -> None:
+        self.work, self.where, self.peers = work, where, peers
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 class DeadlockError(RuntimeError):

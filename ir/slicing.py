@@ -75,6 +75,9 @@ def _check_cuts(g: Graph, cuts: Sequence[int]) -> list[int]:
     return bounds
 
 
+REDETACH = "fnpipe: received value detached again"
+
+
 def no_grad_values(g: Graph) -> set[Var]:
     """Values no gradient flows through: batch inputs, `detach` results, and what only they feed."""
     frozen = set(g.batch)
@@ -90,7 +93,7 @@ def _redetach(g: Graph, values: Sequence[Var]) -> Graph:
     fresh = {v: Var(v.aval) for v in values if v.aval.dtype.is_floating_point}
     if not fresh:
         return g
-    head = tuple(Eqn("aten.detach.default", (v,), (), (d,)) for v, d in fresh.items())
+    head = tuple(Eqn("aten.detach.default", (v,), (), (d,), source=REDETACH) for v, d in fresh.items())
     outputs = tuple(fresh.get(v, v) if isinstance(v, Var) else v for v in g.outputs)
     return attrs.evolve(g, eqns=head + tuple(e.replace_inputs(fresh) for e in g.eqns), outputs=outputs)
 

@@ -11,10 +11,10 @@ __all__ = [
 ]
 
 # The equivalence harness (plans, assert_parallel_equivalent, faults); see engine/testing/harness.py.
-from . import faults
-from .harness import STATS, Equivalence, assert_parallel_equivalent, format_stats, in_distributed_job
-from .mismatch import RTOL, ParallelDeadlock, ParallelMismatch
-from .plans import PlanSpec, models_and_plans, plans
+from . import faults  # noqa: E402
+from .harness import STATS, Equivalence, assert_parallel_equivalent, format_stats, in_distributed_job  # noqa: E402
+from .mismatch import RTOL, ParallelDeadlock, ParallelMismatch  # noqa: E402
+from .plans import PlanSpec, models_and_plans, plans  # noqa: E402
 
 __all__ += [
     "Equivalence", "ParallelDeadlock", "ParallelMismatch", "PlanSpec", "RTOL", "STATS", "assert_parallel_equivalent",

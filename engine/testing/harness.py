@@ -40,7 +40,7 @@ from ..runtime import Hook
 from ..step import Step, build_programs, microbatch_example
 from ..transport import DeadlockError, Hub, LocalTransport
 from ._cache import graph_of, stage_infos
-from .mismatch import LeafDiff, ParallelDeadlock, ParallelMismatch, compare_leaves, format_failure
+from .mismatch import LeafDiff, ParallelDeadlock, ParallelMismatch, compare_leaves, format_failure, headline
 from .models import ModelCase
 from .plans import PlanSpec
 
@@ -81,7 +81,8 @@ def format_stats(stats: collections.Counter[Checked] | None = None) -> str:
         by.setdefault(key.schedule, collections.Counter())[f"w{key.world_size}/dp{key.dp}/{key.dtype}"] += n
     lines = [f"fnpipe equivalence checks: {sum(stats.values())}"]
     for name in sorted(by):
-        lines.append(f"  {name}: {sum(by[name].values())} ({', '.join(f'{k} {v}' for k, v in sorted(by[name].items()))})")
+        layouts = ", ".join(f"{k} {v}" for k, v in sorted(by[name].items()))
+        lines.append(f"  {name}: {sum(by[name].values())} ({layouts})")
     return "\n".join(lines)
 
 
@@ -135,11 +136,6 @@ def _diagnose(table: schedules.Table) -> str:
     except schedules.ScheduleError as err:
         return f"\nschedules.validate on the lowered table: {err}"
     return ""
-
-
-def _plan_for(spec: PlanSpec, fn: Callable, params: Any, batch: Sequence[Any]) -> Plan:
-    graph = graph_of(fn, params, microbatch_example(batch, spec.microbatches * spec.dp))
-    return spec.to_plan(fn, params, *batch, graph=graph)
 
 
 # ---------------------------------------------------------------- the check
@@ -198,28 +194,34 @@ def assert_parallel_equivalent(fn: Callable | ModelCase, params: Any = None, *ba
     fn, params, batch, description = _unpack(fn, params, batch, description)
     if distributed is None:
         distributed = in_distributed_job()
-    world = _job_size(timeout) if distributed else None
-    the_plan = plan if isinstance(plan, Plan) and not distributed else None
-    if isinstance(plan, Plan):
-        spec = None if the_plan else PlanSpec(plan.schedule, plan.num_stages, plan.microbatches, plan.dp,
-                                              plan.num_stages // plan.pipeline_depth, cuts=plan.cuts)
+    if isinstance(plan, Plan) and not distributed:  # a hand-made Plan runs as it is
+        spec, fixed = None, plan
     else:
-        spec = plan or _spec(schedule, stages, microbatches, dp, stages_per_rank, cuts, batch, world)
-    if spec is not None and world is not None and spec.world_size != world:
-        raise ValueError(f"{spec} needs {spec.world_size} ranks but the job has {world}; draw plans() with "
-                         f"world_sizes=({world},) (the default under a launcher)")
+        spec, fixed = _as_spec(plan, schedule, stages, microbatches, dp, stages_per_rank, cuts, batch, distributed,
+                               timeout), None
     with contextlib.nullcontext() if distributed else _one_thread_per_rank():
         grads_ref, loss_ref = torch.func.grad_and_value(fn)(params, *batch)
         check = _Check(fn, params, batch, spec, description, rtol, atol, loss_ref, grads_ref)
         if distributed:
             return check.distributed(hook, timeout)
-        return check.inprocess(the_plan or _plan_for(spec, fn, params, batch), hook, timeout)
+        return check.inprocess(fixed or spec.to_plan(fn, params, *batch), hook, timeout)  # type: ignore[union-attr]
 
 
-def _job_size(timeout: float) -> int:
+def _as_spec(plan: PlanSpec | Plan | None, schedule: str, stages: int | None, microbatches: int | None,
+             dp: int | None, stages_per_rank: int | None, cuts: Sequence[int] | None, batch: Sequence[Any],
+             distributed: bool, timeout: float) -> PlanSpec:
     from .. import launch
 
-    return launch.init(timeout).size
+    world = launch.init(timeout).size if distributed else None
+    if isinstance(plan, Plan):
+        spec = PlanSpec(plan.schedule, plan.num_stages, plan.microbatches, plan.dp,
+                        plan.num_stages // plan.pipeline_depth, cuts=plan.cuts)
+    else:
+        spec = plan or _spec(schedule, stages, microbatches, dp, stages_per_rank, cuts, batch, world)
+    if world is not None and spec.world_size != world:
+        raise ValueError(f"{spec} needs {spec.world_size} ranks but the job has {world}; draw plans() with "
+                         f"world_sizes=({world},) (the default under a launcher)")
+    return spec
 
 
 @attrs.define
@@ -239,9 +241,10 @@ class _Check:
 
         return [key_name(p) or "params" for p, _ in pytree.tree_flatten_with_path(self.params)[0]]
 
-    def report(self, headline: str, plan: Plan | None, programs: Sequence[Any], diffs: Sequence[LeafDiff] = ()) -> str:
-        return format_failure(headline, description=self.description, spec=self.spec, plan=plan, programs=programs,
-                              diffs=diffs)
+    def report(self, what: str, plan: Plan | None, programs: Sequence[Any], loss: LeafDiff | None = None,
+               grads: Sequence[LeafDiff] = ()) -> str:
+        return format_failure(what, description=self.description, spec=self.spec, plan=plan, programs=programs,
+                              loss=loss, grads=grads)
 
     def inprocess(self, plan: Plan, hook: Hook | None, timeout: float) -> Equivalence:
         steps = inprocess_steps(self.fn, self.params, self.batch, plan, hook=hook, timeout=timeout)
@@ -261,22 +264,18 @@ class _Check:
                 distributed: bool, skip: Sequence[bool] = ()) -> Equivalence:
         names, expected = self.names(), pytree.tree_leaves(self.grads_ref)
         keep = [i for i in range(len(expected)) if not (skip and skip[i])]
-        diffs = compare_leaves(["loss"], [loss], [self.loss_ref], rtol=self.rtol, atol=self.atol)
-        diffs += compare_leaves([names[i] for i in keep], [actual[i] for i in keep], [expected[i] for i in keep],
-                                rtol=self.rtol, atol=self.atol)
+        loss_diff = compare_leaves(["loss"], [loss], [self.loss_ref], rtol=self.rtol, atol=self.atol)[0]
+        grads = compare_leaves([names[i] for i in keep], [actual[i] for i in keep], [expected[i] for i in keep],
+                               rtol=self.rtol, atol=self.atol)
         STATS[Checked(plan.schedule, plan.world_size, plan.dp, str(self.loss_ref.dtype).replace("torch.", ""))] += 1
-        bad = [d for d in diffs if not d.ok]
-        message = None
-        if bad:
-            what = "the loss differs" if bad[0].name == "loss" else "grads differ"
-            message = self.report(f"{what} from torch.func.grad_and_value(fn) on the full batch "
-                                  f"({len(bad)} of {len(diffs)} values)", plan, programs, diffs)
+        what = headline(loss_diff, grads)
+        message = self.report(what, plan, programs, loss_diff, grads) if what else None
         if distributed:
             message = _gather_failure(message)
         if message:
             raise ParallelMismatch(message)
-        worst = max(diffs, key=lambda d: d.rel)
-        return Equivalence(plan, float(loss), float(self.loss_ref), worst.rel, worst.name, len(diffs) - 1, distributed)
+        worst = max([loss_diff, *grads], key=lambda d: d.rel)
+        return Equivalence(plan, float(loss), float(self.loss_ref), worst.rel, worst.name, len(grads), distributed)
 
     def distributed(self, hook: Hook | None, timeout: float) -> Equivalence:
         import engine
@@ -287,9 +286,9 @@ class _Check:
         if spec.cuts is not None or spec.weights is not None:
             graph = graph_of(self.fn, self.params, microbatch_example(self.batch, spec.microbatches * spec.dp))
             cuts = spec.resolve_cuts(len(graph.eqns))
-        step = engine.parallelize(self.fn, self.params, *self.batch, schedule=spec.schedule, microbatches=spec.microbatches,
-                                  stages=spec.stages, dp=spec.dp, stages_per_rank=spec.stages_per_rank, cuts=cuts,
-                                  timeout=timeout, hook=hook)
+        step = engine.parallelize(self.fn, self.params, *self.batch, schedule=spec.schedule,
+                                  microbatches=spec.microbatches, stages=spec.stages, dp=spec.dp,
+                                  stages_per_rank=spec.stages_per_rank, cuts=cuts, timeout=timeout, hook=hook)
         try:
             loss, grads = step(step.shard(self.params), *self.batch)
         except Exception as exc:

@@ -22,7 +22,7 @@ import attrs
 import torch
 
 __all__ = ["RTOL", "LeafDiff", "ParallelDeadlock", "ParallelMismatch", "compare_leaves", "default_rtol",
-           "format_failure"]
+           "format_failure", "headline"]
 
 RTOL: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3,
                                   torch.bfloat16: 2e-2}
@@ -107,16 +107,26 @@ def _listing(program: Any) -> str:
     return "\n".join([*lines[:PROGRAM_HEAD], f"  ... {cut} instructions omitted ...", *lines[-PROGRAM_TAIL:]])
 
 
+def headline(loss: LeafDiff, grads: Sequence[LeafDiff]) -> str:
+    """What differs from `torch.func.grad_and_value(fn)`: the loss, how many grad leaves, or nothing ('')."""
+    bad = sum(not d.ok for d in grads)
+    what = " and ".join(([] if loss.ok else ["the loss"]) + ([f"grads ({bad} of {len(grads)} leaves)"] if bad else []))
+    return f"{what} differ from torch.func.grad_and_value(fn) on the full batch" if what else ""
+
+
 def format_failure(headline: str, *, description: str | None, spec: Any, plan: Any, programs: Sequence[Any],
-                   diffs: Sequence[LeafDiff] = ()) -> str:
+                   loss: LeafDiff | None = None, grads: Sequence[LeafDiff] = ()) -> str:
     """The report: what differs, the model, the plan, the schedule, and every rank's program listing."""
     parts = [headline]
-    bad = [d for d in diffs if not d.ok]
+    if loss is not None and not loss.ok:
+        parts.append(f"loss: expected {loss.expected[0]:.10g}, actual {loss.actual[0]:.10g}, relative error "
+                     f"{loss.rel:.3e}, tolerance {loss.tol:.3e}")
+    bad = [d for d in grads if not d.ok]
     if bad:
         parts.append(f"first differing leaf {bad[0].describe()}")
-        parts.append(f"{len(bad)} of {len(diffs)} compared values differ: "
+        parts.append("differing leaves (relative error): "
                      + ", ".join(f"{d.name} ({'missing' if d.missing else f'{d.rel:.1e}'})" for d in bad[:12])
-                     + (" ..." if len(bad) > 12 else ""))
+                     + (f" and {len(bad) - 12} more" if len(bad) > 12 else ""))
     if description:
         parts.append(f"model: {description}")
     if spec is not None:

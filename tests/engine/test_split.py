@@ -1,0 +1,84 @@
+"""The splitter's dynamic programme against brute force on random block costs."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.errors import SplitError
+from engine.memory import MemoryModel
+from engine.split import BlockCosts, Partition, partition, split_costs
+
+MEMORY = MemoryModel(optimizer_factor=2.0, margin=0.1)
+
+
+def _brute_force(costs: BlockCosts, num_stages: int, live: list[int], budgets: list[float]) -> float | None:
+    best = None
+    for inner in itertools.combinations(range(1, costs.num_blocks), num_stages - 1):
+        bounds = (0, *inner, costs.num_blocks)
+        stages = list(zip(bounds, bounds[1:]))
+        if all(costs.stage_peak(i, j, live[s], MEMORY) <= budgets[s] for s, (i, j) in enumerate(stages)):
+            value = max(costs.stage_time(i, j) for i, j in stages)
+            best = value if best is None else min(best, value)
+    return best
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[BlockCosts, int, list[int], list[float]]:
+    k = draw(st.integers(1, 8))
+    s = draw(st.integers(1, k))
+    floats = st.floats(0.0, 10.0, allow_nan=False)
+    cut_bytes = [0.0] + draw(st.lists(floats, min_size=k - 1, max_size=k - 1)) + [0.0]
+    costs = BlockCosts(
+        time=tuple(draw(st.lists(floats, min_size=k, max_size=k))),
+        param_bytes=tuple(draw(st.lists(floats, min_size=k, max_size=k))),
+        saved=tuple(draw(st.lists(floats, min_size=k, max_size=k))),
+        cut_bytes=tuple(cut_bytes), cut_time=tuple(0.1 * b for b in cut_bytes))
+    live = draw(st.lists(st.integers(1, 4), min_size=s, max_size=s))
+    budgets = draw(st.lists(st.floats(0.0, 120.0), min_size=s, max_size=s))
+    return costs, s, live, budgets
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_dp_matches_brute_force_and_respects_memory(case: tuple[BlockCosts, int, list[int], list[float]]) -> None:
+    costs, s, live, budgets = case
+    expected = _brute_force(costs, s, live, budgets)
+    try:
+        got: Partition | None = split_costs(costs, s, live=live, budgets=budgets, memory=MEMORY)
+    except SplitError as err:
+        assert expected is None, f"DP found no split, brute force found {expected}"
+        assert "needs at least" in str(err) and "more pipeline stages" in str(err)
+        return
+    assert expected is not None, f"DP returned {got} but no split fits"
+    assert got.bottleneck == expected
+    bounds = got.bounds
+    assert bounds[0] == 0 and bounds[-1] == costs.num_blocks and all(a < b for a, b in zip(bounds, bounds[1:]))
+    for stage, (i, j) in enumerate(zip(bounds, bounds[1:])):
+        assert costs.stage_peak(i, j, live[stage], MEMORY) <= budgets[stage]
+    assert got.bottleneck == max(costs.stage_time(i, j) for i, j in zip(bounds, bounds[1:]))
+
+
+def test_partition_balances_uniform_blocks() -> None:
+    found = partition(12, 4, lambda s, i, j: float(j - i))
+    assert found == Partition((0, 3, 6, 9, 12), 3.0)
+
+
+def test_more_stages_than_blocks_is_an_error_naming_the_count() -> None:
+    costs = BlockCosts((1.0, 1.0), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    with pytest.raises(SplitError, match="2 blocks .* fewer than 3 stages; use at most 2"):
+        split_costs(costs, 3, live=[1, 1, 1], budgets=[1.0] * 3, memory=MEMORY)
+
+
+def test_infeasible_split_reports_the_tightest_need() -> None:
+    gib = 2**30
+    costs = BlockCosts((1.0,) * 4, (1.0 * gib,) * 4, (0.5 * gib,) * 4, (0.0, 0.1 * gib, 0.1 * gib, 0.1 * gib, 0.0),
+                       (0.0,) * 5)
+    # one block on stage 0: (4 weights/grads/Adam + 0.2 buffers + 2 in flight x 0.5) x 1.1 = 5.72 GiB
+    with pytest.raises(SplitError, match=r"stage 0 needs at least 5.7 GiB with 2 microbatches in flight, its "
+                                         r"limit is 5.0 GiB; the largest single block needs 6.2 GiB alone"):
+        split_costs(costs, 2, live=[2, 1], budgets=[5.0 * gib, 100.0 * gib], memory=MEMORY)
+    found = split_costs(costs, 2, live=[2, 1], budgets=[6.0 * gib, 100.0 * gib], memory=MEMORY)
+    assert found.bounds == (0, 1, 4)  # the first stage, with two microbatches in flight, gets one block
