@@ -21,7 +21,7 @@ demo: setup
 	$(VENV)/bin/mpirun -n 2 --oversubscribe $(PY) examples/demo.py
 
 test: setup
-	$(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 clean:
 	rm -rf $(VENV)

@@ -7,6 +7,7 @@ what autodiff reports, and the split is redone until it is stable and every rank
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import attrs
@@ -25,8 +26,13 @@ from .layout import Layout, layouts
 from .memory import MemoryModel, gib, peak_live, rank_peaks, stage_peaks
 from .names import abbreviate
 from .plan import Plan, StagePlan
-from .split import BlockCosts, Partition, split_costs
-from .stagecost import StageCost, estimate, exact, exact_blocks, schedule_costs
+from .progress import track
+from .split import BlockCosts, Partition
+from .stagecost import (RecomputeCosts, StageCost, estimate, exact, exact_blocks, recompute_mode,
+                        schedule_costs, split_recompute)
+
+log = logging.getLogger("engine.plan")
+split_log = logging.getLogger("engine.split")
 
 MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": "stages_per_rank", "zbv": None}
 REFINE_ROUNDS = 4
@@ -46,20 +52,22 @@ class Candidate:
     bubble: float
     allreduce: float
     rank_memory: tuple[float, ...]
+    recompute: tuple[bool, ...] = ()
 
 
 class Planner:
     """Caches per microbatch size (graph, blocks, exact stage costs) while layouts are tried."""
 
     def __init__(self, fn: Any, params: Any, batch: Sequence[Any], *, schedule: str, model: CostModel,
-                 memory: MemoryModel, limit: float, min_blocks: int) -> None:
+                 memory: MemoryModel, limit: float, min_blocks: int, recompute: bool | str = False) -> None:
         self.fn, self.params, self.batch = fn, params, tuple(batch)
+        self.recompute = recompute
         self.schedule, self.model, self.memory, self.limit = schedule, model, memory, limit
         self.min_blocks = min_blocks
         self.trace_device = "cuda" if model.device.kind == "cuda" and torch.cuda.is_available() else "cpu"
         self._graphs: dict[int, ir.Graph] = {}
         self._blocks: dict[tuple[int, bool, bool, bool], Blocks] = {}
-        self._exact: dict[int, dict[tuple[int, int], StageCost]] = {}
+        self._exact: dict[int, dict[tuple[int, int, bool], StageCost]] = {}
 
     def graph(self, size: int) -> ir.Graph:
         if size not in self._graphs:
@@ -79,9 +87,9 @@ class Planner:
                 self._blocks[key] = coarsen(self.graph(size), self.model, fine=fine, min_blocks=self.min_blocks)
         return self._blocks[key]
 
-    def exact(self, size: int, cuts: Sequence[int]) -> tuple[StageCost, ...]:
+    def exact(self, size: int, cuts: Sequence[int], recompute: Sequence[bool] = ()) -> tuple[StageCost, ...]:
         cache = self._exact.setdefault(size, {})
-        return exact(self.graph(size), cuts, self.model, device=self.trace_device, cache=cache)
+        return exact(self.graph(size), cuts, self.model, device=self.trace_device, cache=cache, recompute=recompute)
 
     def table(self, layout: Layout) -> schedules.Table:
         return schedules.get(self.schedule)(layout.num_stages, layout.microbatches, **schedule_options(self.schedule, layout))
@@ -102,17 +110,32 @@ class Planner:
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
         peaks = rank_peaks(table, [s.memory(self.memory) for s in stages], self.memory)
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
-                         allreduce, peaks)
+                         allreduce, peaks, tuple(s.recompute for s in stages))
 
     def split(self, layout: Layout, table: schedules.Table, blocks: Blocks, time_scale: Sequence[float] | None = None,
-              saved_scale: Sequence[float] | None = None, budgets: Sequence[float] | None = None) -> Partition:
-        """The fastest split of this layout's `blocks` whose stages fit their budgets."""
-        ones = [1.0] * blocks.num_blocks
-        costs = self.block_costs(blocks, time_scale or ones, saved_scale or ones)
+              saved_scale: Sequence[float] | None = None, budgets: Sequence[float] | None = None
+              ) -> tuple[Partition, tuple[bool, ...]]:
+        """The fastest split of this layout's `blocks` whose stages fit their budgets, and which of its
+        stages recompute their activations (see `stagecost.split_recompute`)."""
+        rc = self.recompute_costs(blocks, time_scale, saved_scale)
         budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
         labels = [_block_label(blocks, k) for k in range(blocks.num_blocks)]
-        return split_costs(costs, layout.num_stages, live=peak_live(table), budgets=budgets, memory=self.memory,
-                           names=labels)
+        return split_recompute(rc, layout.num_stages, mode=self.recompute, live=peak_live(table), budgets=budgets,
+                               memory=self.memory, names=labels)
+
+    def recompute_costs(self, blocks: Blocks, time_scale: Sequence[float] | None = None,
+                        saved_scale: Sequence[float] | None = None) -> RecomputeCosts:
+        ones = [1.0] * blocks.num_blocks
+        time_scale = time_scale or ones
+        costs = self.block_costs(blocks, time_scale, saved_scale or ones)
+        return RecomputeCosts(costs, tuple(blocks.forward[k] * time_scale[k] for k in range(blocks.num_blocks)))
+
+    def block_peaks(self, table: schedules.Table, blocks: Blocks, bounds: Sequence[int], recompute: Sequence[bool],
+                    time_scale: Sequence[float], saved_scale: Sequence[float]) -> list[float]:
+        """Each stage's peak as the splitter sees it (block sums), to compare with the exact one."""
+        rc, live = self.recompute_costs(blocks, time_scale, saved_scale), peak_live(table)
+        return [rc.peak(i, j, live[k], self.memory) if recompute[k] else rc.costs.stage_peak(i, j, live[k], self.memory)
+                for k, (i, j) in enumerate(zip(bounds, bounds[1:]))]
 
     @property
     def batch_size(self) -> int:
@@ -124,13 +147,13 @@ class Planner:
         table = self.table(layout)
         size = layout.microbatch_size(self.batch_size)
         try:
-            coarse: Partition | None = self.split(layout, table, self.blocks(size, False))
+            coarse: tuple[Partition, tuple[bool, ...]] | None = self.split(layout, table, self.blocks(size, False))
         except SplitError:
             coarse = None
         fine = self.split(layout, table, self.blocks(size, True))
-        use_fine = coarse is None or fine.bottleneck < (1 - INNER_CUT_GAIN) * coarse.bottleneck
-        chosen = fine if use_fine or coarse is None else coarse
-        stages = estimate(self.graph(size), self.blocks(size, use_fine), chosen.bounds)
+        use_fine = coarse is None or fine[0].bottleneck < (1 - INNER_CUT_GAIN) * coarse[0].bottleneck
+        chosen, flags = fine if use_fine or coarse is None else coarse
+        stages = estimate(self.graph(size), self.blocks(size, use_fine), chosen.bounds, recompute=flags)
         return self.evaluate(layout, stages, table, fine=use_fine, bounds=chosen.bounds)
 
 
@@ -190,11 +213,12 @@ def _check_schedule(schedule: str) -> None:
 def _rank_layouts(planner: Planner, candidates: Sequence[Layout]) -> tuple[list[Candidate], list[str]]:
     """Every layout split and simulated on estimates, fastest first; the reasons the others failed."""
     found, reasons = [], []
-    for layout in candidates:
+    for layout in track(candidates, "planning: splitting layouts"):
         try:
             found.append(planner.estimated(layout))
         except (SplitError, schedules.ScheduleError) as err:
             reasons.append(f"{_describe(layout)}: {err}")
+            log.debug("%s does not fit: %s", _describe(layout), err)
     found.sort(key=lambda c: (c.step_time, c.layout.num_stages, c.layout.microbatches))
     return found, reasons
 
@@ -211,11 +235,15 @@ def _splits_bw(table: schedules.Table) -> bool:
 
 def _calibrate(stages: Sequence[StageCost], guesses: Sequence[StageCost], bounds: Sequence[int],
                time_scale: list[float], saved_scale: list[float], split_bw: bool) -> None:
-    """Scale each block's estimates by its stage's exact / estimated ratio."""
+    """Scale each block's estimates by its stage's exact / estimated ratio (a recomputing stage's
+    activations by its workspace: what it would keep is what it redoes)."""
     for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
         t = stages[k].time / guesses[k].time if guesses[k].time > 0 else 1.0
-        held = stages[k].saved_bytes + (stages[k].b_to_w_bytes if split_bw else 0)
-        m = held / guesses[k].saved_bytes if guesses[k].saved_bytes else 1.0
+        if stages[k].recompute:
+            held, guess = stages[k].workspace_bytes, guesses[k].workspace_bytes
+        else:
+            held, guess = stages[k].saved_bytes + (stages[k].b_to_w_bytes if split_bw else 0), guesses[k].saved_bytes
+        m = held / guess if guess else 1.0
         for x in range(i, j):
             time_scale[x], saved_scale[x] = t, m
 
@@ -229,39 +257,64 @@ def _refine(planner: Planner, first: Candidate) -> Candidate:
     blocks = planner.blocks(size, first.fine, exact=True, split_bw=split_bw)
     time_scale, saved_scale = [1.0] * blocks.num_blocks, [1.0] * blocks.num_blocks
     budgets = [planner.limit / layout.stages_per_rank] * layout.num_stages
-    bounds, seen, best, last = planner.split(layout, table, blocks).bounds, set(), None, None
+    part, flags = planner.split(layout, table, blocks)
+    bounds, seen, best, last = part.bounds, set(), None, None
     for _ in range(REFINE_ROUNDS):
-        stages = planner.exact(size, [blocks.bounds[b] for b in bounds[1:-1]])
+        stages = planner.exact(size, [blocks.bounds[b] for b in bounds[1:-1]], flags)
         last = planner.evaluate(layout, stages, table, fine=first.fine, bounds=bounds)
         if max(last.rank_memory) <= planner.limit and (best is None or last.step_time < best.step_time):
             best = last
-        seen.add(bounds)
-        _calibrate(stages, estimate(graph, blocks, bounds), bounds, time_scale, saved_scale, split_bw)
+        seen.add((bounds, flags))
+        _calibrate(stages, estimate(graph, blocks, bounds, recompute=flags), bounds, time_scale, saved_scale,
+                   split_bw)
+        seen_peaks = planner.block_peaks(table, blocks, bounds, flags, time_scale, saved_scale)
         for rank, peak in enumerate(last.rank_memory):
-            for s in table.stages_of(rank) if peak > planner.limit else ():
-                budgets[s] *= planner.limit / peak
+            for s in table.stages_of(rank) if peak > planner.limit else ():  # so that this split no longer fits
+                budgets[s] = min(budgets[s], seen_peaks[s]) * planner.limit / peak
         try:
-            bounds = planner.split(layout, table, blocks, time_scale, saved_scale, budgets).bounds
+            part, flags = planner.split(layout, table, blocks, time_scale, saved_scale, budgets)
         except SplitError:
             if best is not None:
                 break
             raise
-        if bounds in seen and best is not None:
+        bounds = part.bounds
+        if (bounds, flags) in seen and best is not None:
             break
     if best is None:
-        raise SplitError(_exact_overflow(last, planner.limit, table))
+        raise SplitError(_exact_overflow(last, planner.limit, table, planner.recompute))
     return best
 
 
-def _exact_overflow(cand: Candidate, limit: float, table: schedules.Table) -> str:
+def _refine_auto(planner: Planner, first: Candidate) -> Candidate:
+    """`_refine`; when "auto" made stages recompute, also the best split without any, and the faster of the two."""
+    best = _refine(planner, first)
+    if planner.recompute != "auto" or not any(best.recompute):
+        return best
+    planner.recompute = False
+    try:
+        plain = _refine(planner, planner.estimated(first.layout))
+    except (SplitError, schedules.ScheduleError):
+        return best
+    finally:
+        planner.recompute = "auto"
+    return plain if plain.step_time <= best.step_time else best
+
+
+def _exact_overflow(cand: Candidate, limit: float, table: schedules.Table, mode: bool | str = False) -> str:
     rank = max(range(len(cand.rank_memory)), key=lambda r: cand.rank_memory[r])
     mine = table.stages_of(rank)
     largest = max(cand.stages, key=lambda s: s.saved_bytes + s.b_to_w_bytes)
+    redo = [k for k in mine if cand.stages[k].recompute]
+    if mode is False:
+        fix = ("make it fit with activation recomputation (recompute='auto'), more pipeline stages, or a smaller "
+               "microbatch (more microbatches per step); or raise memory_limit")
+    else:
+        fix = ("make it fit with more pipeline stages or a smaller microbatch (more microbatches per step); or raise "
+               "memory_limit")
+    done = f", with activation recomputation on stages {redo}" if redo else ""
     return (f"{_describe(cand.layout)}: rank {rank} (stages {list(mine)}) needs {gib(cand.rank_memory[rank])} by "
-            f"stage autodiff, the limit is {gib(limit)}; the largest stage keeps "
-            f"{gib(largest.saved_bytes + largest.b_to_w_bytes)} of activations per microbatch; make it fit with "
-            "more pipeline stages, activation recomputation, or a smaller microbatch (more microbatches per step); "
-            "or raise memory_limit")
+            f"stage autodiff{done}, the limit is {gib(limit)}; the largest stage keeps "
+            f"{gib(largest.saved_bytes + largest.b_to_w_bytes)} of activations per microbatch; {fix}")
 
 
 def _fixed_cuts(planner: Planner, candidates: Sequence[Layout], cuts: Sequence[int]) -> Candidate:
@@ -271,16 +324,31 @@ def _fixed_cuts(planner: Planner, candidates: Sequence[Layout], cuts: Sequence[i
         size = layout.microbatch_size(planner.batch_size)
         try:
             table = planner.table(layout)
-            cand = planner.evaluate(layout, planner.exact(size, cuts), table)
+            cand = _fixed_recompute(planner, layout, table, size, cuts)
         except (schedules.ScheduleError, ir.IRError) as err:
             raise PlanError(f"cuts {list(cuts)} with {_describe(layout)}: {err}") from err
         if max(cand.rank_memory) > planner.limit:
-            reasons.append(_exact_overflow(cand, planner.limit, table))
+            reasons.append(_exact_overflow(cand, planner.limit, table, planner.recompute))
         elif best is None or cand.step_time < best.step_time:
             best = cand
     if best is None:
         raise SplitError("; ".join(reasons))
     return best
+
+
+def _fixed_recompute(planner: Planner, layout: Layout, table: schedules.Table, size: int,
+                     cuts: Sequence[int]) -> Candidate:
+    """Fixed cuts costed exactly; with recompute "auto", the stages of each rank over the limit
+    recompute (until every rank fits or all its stages do)."""
+    flags = [planner.recompute is True] * layout.num_stages
+    while True:
+        cand = planner.evaluate(layout, planner.exact(size, cuts, flags), table)
+        over = [s for r, peak in enumerate(cand.rank_memory) if peak > planner.limit for s in table.stages_of(r)
+                if not flags[s]]
+        if planner.recompute != "auto" or not over:
+            return cand
+        for s in over:
+            flags[s] = True
 
 
 def _to_plan(planner: Planner, cand: Candidate, schedule: str) -> Plan:
@@ -301,14 +369,15 @@ def _to_plan(planner: Planner, cand: Candidate, schedule: str) -> Plan:
         predicted_step_time=cand.step_time, bubble_fraction=cand.bubble, graph_hash=graph_hash(graph),
         device=planner.model.device.name, memory_limit=int(planner.limit), link=planner.model.link.name,
         microbatch_size=size, num_eqns=len(graph.eqns), allreduce_time=cand.allreduce,
-        rank_memory=tuple(int(m) for m in cand.rank_memory))
+        rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute)
 
 
 def plan(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedule: str = "1f1b",
          stages: int | str | None = None, dp: int | str | None = None, microbatches: int | str = "auto",
          memory_limit: int | None = None, device: str | DeviceProfile = "cpu", stages_per_rank: int | None = None,
          cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
-         memory_model: MemoryModel | None = None, calibration: Calibration | None = None) -> Plan:
+         memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
+         recompute: bool | str = "auto") -> Plan:
     """Plan `fn(params, *example_batch)` on `world_size` ranks (how: see the module docstring).
 
     `example_batch` is the full batch (leaves may be tensors, meta tensors or ir.TensorSpec; params too):
@@ -316,11 +385,15 @@ def plan(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedul
     `microbatches` take a count or "auto" (the fastest predicted layout that fits); by default dp = 1 and
     every rank is a pipeline position. `cuts` (equation indices) skip the splitter. `device` is a profile
     name ("h100", "h200", "cpu", "cuda") whose memory is the default `memory_limit` (bytes per rank).
-    Raises PlanError for counts that do not fit the world or batch, SplitError when nothing fits memory.
+    `recompute` is activation recomputation per stage (F keeps only the stage's outputs, B redoes the
+    forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
+    (`plan.recompute` says which). Raises PlanError for counts that do not fit the world or batch,
+    SplitError when nothing fits memory.
     """
     profile = get_device(device)
     model = CostModel(profile, get_link(link, profile), calibration)
     _check_schedule(schedule)
+    recompute = recompute_mode(recompute)
     if memory_limit is not None and not memory_limit > 0:
         raise PlanError(f"memory_limit is bytes per rank and must be > 0, got {memory_limit!r}; None means the "
                         f"device's {profile.memory_bytes / 1e9:.0f} GB")
@@ -333,13 +406,22 @@ def plan(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedul
     candidates = layouts(world_size, batch_size, v=v, stages=stages, dp=dp, microbatches=microbatches)
     planner = Planner(fn, params, example_batch, schedule=schedule, model=model, memory=memory_model or MemoryModel(),
                       limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
-                      min_blocks=max(c.num_stages for c in candidates))
+                      min_blocks=max(c.num_stages for c in candidates), recompute=recompute)
     if cuts is not None:
-        return _to_plan(planner, _fixed_cuts(planner, candidates, tuple(cuts)), schedule)
+        return _chosen(_to_plan(planner, _fixed_cuts(planner, candidates, tuple(cuts)), schedule))
     ranked, reasons = _rank_layouts(planner, candidates)
-    for cand in ranked:
+    for cand in track(ranked, "planning: exact stage costs"):
         try:
-            return _to_plan(planner, _refine(planner, cand), schedule)
+            return _chosen(_to_plan(planner, _refine_auto(planner, cand), schedule))
         except SplitError as err:
             reasons.append(str(err))
+            log.debug("%s", err)
     raise SplitError("no layout fits: " + "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
+
+
+def _chosen(p: Plan) -> Plan:
+    log.info("plan:\n%s", p)
+    if any(p.recompute):
+        split_log.info("activation recomputation on stages %s (memory limit %s)",
+                       [k for k, r in enumerate(p.recompute) if r], gib(p.memory_limit or 0))
+    return p

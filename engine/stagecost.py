@@ -17,7 +17,7 @@ import schedules
 
 from .blocks import Blocks
 from .costmodel import CostModel
-from .errors import SplitError
+from .errors import PlanError, SplitError
 from .memory import MemoryModel, StageMemory, gib
 from .split import FIX, BlockCosts, Partition, partition, split_costs
 
@@ -182,9 +182,18 @@ def schedule_costs(stages: Sequence[StageCost], table: schedules.Table, model: C
 
 # -- activation recomputation per stage ------------------------------------------------------------------
 
-RECOMPUTE_MODES = (False, True, "auto")
 FIX_NO_RECOMPUTE = ("make it fit with more pipeline stages or a smaller microbatch (more microbatches per step); "
                     "or raise memory_limit")
+
+
+def recompute_mode(value: bool | str) -> bool | str:
+    """False, True or "auto" (any case); PlanError for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() == "auto":
+        return "auto"
+    raise PlanError(f"recompute must be False (never), True (every stage) or 'auto' (only stages that do not fit "
+                    f"memory without it), got {value!r}")
 
 
 @attrs.frozen

@@ -52,7 +52,9 @@ def stage_infos(graph: ir.Graph, plan: Plan, device: torch.device) -> list[Stage
 
 
 def build_programs(infos: Sequence[StageInfo], plan: Plan, num_params: int) -> tuple[schedules.Table, list[Program]]:
-    table = schedules.lower(plan.table())
+    table = plan.table()
+    if not table.is_lowered:  # a user's schedule may come with its communication placed by hand
+        table = schedules.lower(table)
     schedules.validate(table)
     progs = [emit(infos, table, world_rank=r, dp=plan.dp, num_params=num_params) for r in range(plan.world_size)]
     return table, progs
@@ -198,7 +200,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 memory_limit: int | None = None, stages_per_rank: int | None = None,
                 cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None,
                 plan_cache: str | os.PathLike | None = None,
-                calibrate: bool | str | os.PathLike = False) -> Step:
+                calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
+                compute_dtype: torch.dtype | None = None) -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
@@ -208,13 +211,21 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     world, schedule and options instead of planning again (engine.plancache). `calibrate=True` times
     every op of the model once on rank 0's device before splitting, so the split balances measured
     rather than roofline costs; a path reuses (or writes) that table, so reruns and plan caches agree.
+    `recompute` is activation recomputation: False, True (every stage) or "auto" (only the stages that
+    do not fit memory without it; `step.plan.recompute` says which). `compute_dtype` (e.g.
+    torch.bfloat16) runs the model with its float params cast to that dtype inside the graph while
+    params and grads keep theirs (engine.precision.mixed_precision; grads are then those of that function).
     """
     from . import plancache
     from .planner import plan as make_plan
 
+    if compute_dtype is not None:
+        from .precision import mixed_precision
+
+        loss_fn = mixed_precision(loss_fn, compute_dtype)
     world = launch.init(timeout)
     options = dict(stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
-                   device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts)
+                   device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts, recompute=recompute)
     if calibrate:
         options["calibration"] = calibration(world, loss_fn, params, example_batch, microbatches, dp, calibrate)
     entry = None

@@ -16,3 +16,5 @@ _COMMON = dict(deadline=None, print_blob=True,
 settings.register_profile("default", **_COMMON)
 settings.register_profile("ci", derandomize=True, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+pytest_plugins = ["engine.testing.pytest_plugin"]

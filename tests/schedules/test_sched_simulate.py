@@ -103,10 +103,12 @@ def test_cost_lengths_must_match_the_table() -> None:
         schedules.simulate(schedules.zbv(4, 1), Costs(static_memory=(1,)))
 
 
-def test_64_ranks_256_microbatches_in_well_under_a_second() -> None:
+def test_64_ranks_256_microbatches_is_exact_and_not_quadratic() -> None:
+    """The speed figure (0.17 s on a quiet 2-core machine) is measured by benchmarks/simulate_speed.py;
+    on a shared CI machine this only guards against an algorithm that grows with steps x actions."""
     table = schedules.one_f_one_b(64, 256)
     began = time.perf_counter()
     sim = schedules.simulate(table)
     elapsed = time.perf_counter() - began
     assert sim.makespan == 3 * (256 + 63)
-    assert elapsed < 1.0, f"simulate took {elapsed:.2f} s"
+    assert elapsed < 10.0, f"simulate took {elapsed:.2f} s"

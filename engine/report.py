@@ -1,0 +1,136 @@
+"""Predicted vs measured: the plan's per-stage F/B/W times and peak memory against a traced step, and its timeline.
+
+    loss, grads, spans = step.traced(params, x, y)      # after a few steps: warm caches and allocator
+    print(engine.report.compare(step, spans))           # this rank; step.all_spans(spans) for every rank
+    engine.report.save_timeline_png(step.all_spans(spans), "timeline.png")
+    engine.tracing.save_perfetto(step.all_spans(spans), "trace.json")   # ui.perfetto.dev
+
+Ratios are measured / predicted: above 1 the plan was optimistic. Times are medians over microbatches of
+one traced step; measured memory is `torch.cuda.max_memory_allocated` on GPU (pass `memory` for ranks
+other than this one), absent on CPU.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .plan import Plan
+from .tracing import Span, stage_times
+
+log = logging.getLogger("engine.report")
+KINDS = (("forward", "F"), ("backward_input", "B"), ("backward_weight", "W"))
+COMPUTE = {kind for kind, _ in KINDS}
+COLORS = {"forward": "#4C72B0", "backward_input": "#DD8452", "backward_weight": "#55A868"}  # as schedules.png
+COMM_COLOR, OTHER_COLOR = "#8C8C8C", "#C8C8C8"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _ratio(measured: float | None, predicted: float | None) -> str:
+    return "-" if measured is None or not predicted else f"{measured / predicted:.2f}"
+
+
+def _predicted(plan: Plan, stage: int, kind: str) -> float:
+    s = plan.stages[stage]
+    return {"forward": s.forward_time, "backward_input": s.backward_input_time,
+            "backward_weight": s.backward_weight_time}[kind]
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    return [" ".join(c.rjust(w) for c, w in zip(line, widths)) for line in (header, *rows)]
+
+
+def step_time(spans: Sequence[Span], rank: int) -> float | None:
+    """Seconds from the first to the last instruction of `rank` in `spans` (one step's spans)."""
+    mine = [s for s in spans if s.rank == rank]
+    return max(s.end for s in mine) - min(s.start for s in mine) if mine else None
+
+
+def measured_memory(step: Any) -> dict[int, float]:
+    """This rank's peak allocated bytes on GPU since the last reset ({} on CPU)."""
+    device = step.world.device
+    if device.type != "cuda":
+        return {}
+    return {step.world.rank: float(torch.cuda.max_memory_allocated(device))}
+
+
+def compare(step: Any, spans: Sequence[Span], *, memory: Mapping[int, float] | None = None) -> str:
+    """A table per stage in `spans`: predicted, measured and ratio of F, B and W (ms per microbatch);
+    then per world rank in `spans`: predicted and measured step time and peak memory."""
+    plan: Plan = step.plan
+    measured = stage_times(spans)
+    stages = sorted({s.stage for s in spans if s.kind in COMPUTE})
+    header = ["stage", "rank", "recompute"]
+    for _, k in KINDS:
+        header += [f"{k} pred ms", f"{k} meas ms", f"{k} ratio"]
+    rows = []
+    for st in stages:
+        row = [str(st), str(plan.stages[st].rank), "yes" if plan.recompute[st] else "no"]
+        for kind, _ in KINDS:
+            pred, meas = _predicted(plan, st, kind), measured.get((st, kind))
+            row += [_ms(pred), _ms(meas), _ratio(meas, pred)]
+        rows.append(row)
+    mem = dict(measured_memory(step) if memory is None else memory)
+    ranks = sorted({s.rank for s in spans})
+    rank_rows = []
+    for r in ranks:
+        position = r % plan.pipeline_depth
+        pred_mem = plan.rank_memory[position] if position < len(plan.rank_memory) else None
+        meas_time, meas_mem = step_time(spans, r), mem.get(r)
+        rank_rows.append([str(r), _ms(plan.predicted_step_time), _ms(meas_time),
+                          _ratio(meas_time, plan.predicted_step_time),
+                          "-" if pred_mem is None else f"{pred_mem / 1e9:.2f}",
+                          "-" if meas_mem is None else f"{meas_mem / 1e9:.2f}", _ratio(meas_mem, pred_mem)])
+    lines = [f"predicted vs measured ({plan.schedule}, {plan.num_stages} stages, {plan.microbatches} microbatches; "
+             "ratio = measured / predicted)"]
+    lines += _table(header, rows)
+    lines += [""] + _table(["rank", "step pred ms", "step meas ms", "step ratio", "peak pred GB", "peak meas GB",
+                            "peak ratio"], rank_rows)
+    return "\n".join(lines)
+
+
+def log_compare(step: Any, spans: Sequence[Span], **kw: Any) -> str:
+    """`compare`, also logged at INFO on `engine.report`."""
+    text = compare(step, spans, **kw)
+    log.info("%s", text)
+    return text
+
+
+def save_timeline_png(spans: Sequence[Span], path: str | Path, *, title: str | None = None) -> None:
+    """The measured step as a picture: one row per rank, a bar per instruction coloured by kind (F, B, W;
+    communication as a thin grey bar under the row; loss and grad reductions light grey)."""
+    from matplotlib.figure import Figure  # lazy: only this needs matplotlib
+    from matplotlib.patches import Patch
+
+    ranks = sorted({s.rank for s in spans})
+    end = max((s.end for s in spans), default=0.0)
+    fig = Figure(figsize=(min(40.0, 6.0 + 0.3 * max(1, len(spans) // max(1, len(ranks)))), 1.4 + 0.6 * len(ranks)))
+    ax = fig.add_subplot()
+    row = {r: i for i, r in enumerate(ranks)}
+    for s in spans:
+        y, width = row[s.rank], max(s.end - s.start, 0.0) * 1e3
+        if s.kind in COMPUTE:
+            ax.barh(y, width, left=s.start * 1e3, height=0.6, color=COLORS[s.kind], edgecolor="white", linewidth=0.5)
+            if width > end * 1e3 / 80:
+                ax.text((s.start + s.end) / 2 * 1e3, y, s.name, ha="center", va="center", fontsize=6, color="white")
+        elif s.kind == "comm":
+            ax.barh(y + 0.36, width, left=s.start * 1e3, height=0.12, color=COMM_COLOR)
+        else:
+            ax.barh(y, width, left=s.start * 1e3, height=0.3, color=OTHER_COLOR)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlim(0, max(end * 1e3, 1e-3))
+    ax.set_xlabel("ms from the step's start")
+    heading = f"measured step {end * 1e3:.2f} ms"
+    ax.set_title(f"{title}: {heading}" if title else heading)
+    handles = [Patch(color=COLORS[k], label=f"{short} {k.replace('_', ' ')}") for k, short in KINDS]
+    handles += [Patch(color=COMM_COLOR, label="communication"), Patch(color=OTHER_COLOR, label="loss / reductions")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

@@ -1,0 +1,156 @@
+"""Activation recomputation: exact grads, saved bytes that fall, and the planner turning it on when memory is short."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import ir
+import schedules
+from engine.costmodel import CostModel
+from engine.devices import get_device, get_link
+from engine.errors import PlanError, SplitError
+from engine.inprocess import build_steps, run_steps
+from engine.memory import MemoryModel, stage_peaks
+from engine.plan import Plan, StagePlan
+from engine.planner import plan
+from engine.stagecost import exact, schedule_costs
+from engine.step import stage_infos
+from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
+# meta tensors only: big enough that activations, not weights, fill memory (seq 512, microbatch 4)
+MEDIUM = GPTConfig(vocab_size=256, seq_len=512, d_model=512, n_layers=8, head_dim=64)
+PLAN_KW = dict(world_size=4, microbatches=8, device="h100")
+
+
+def _hand_plan(graph: ir.Graph, schedule: str, recompute: tuple[bool, ...], m: int = 4) -> Plan:
+    n = len(recompute)
+    cuts = tuple(len(graph.eqns) * k // n for k in range(1, n))
+    return Plan(schedule, n, n, 1, m, cuts, stages=tuple(StagePlan(k, 0, 0, k) for k in range(n)), recompute=recompute)
+
+
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", (True, True, True)), ("zb-h1", (True, False, True))])
+def test_recompute_grads_equal_torch_func_grad(schedule: str, recompute: tuple[bool, ...]) -> None:
+    params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
+    fn = make_loss_fn(TINY)
+    graph = ir.trace(fn, params, *[b[:2] for b in batch])
+    p = _hand_plan(graph, schedule, recompute)
+    steps = build_steps(fn, params, batch, p)
+    assert [i.ad.saved_bytes() == 0 for i in steps[0].infos] == list(recompute)
+    result = run_steps(steps, params, batch)
+    loss, ref = torch.func.grad_and_value(fn)(params, *batch)[::-1]
+    assert torch.allclose(result.loss, loss, rtol=1e-12, atol=0)
+    for got, want in zip(pytree.tree_leaves(result.grads), pytree.tree_leaves(ref)):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-14), (got - want).abs().max()
+
+
+def test_saved_bytes_fall_and_backward_redoes_the_forward() -> None:
+    params, batch = init_params(TINY, torch.float32), example_batch(TINY, 2)
+    graph = ir.trace(make_loss_fn(TINY), params, *batch)
+    plain = stage_infos(graph, _hand_plan(graph, "1f1b", (False,) * 3), torch.device("cpu"))
+    redo = stage_infos(graph, _hand_plan(graph, "1f1b", (True,) * 3), torch.device("cpu"))
+    for a, b in zip(plain, redo):
+        assert a.ad.saved_bytes() > 0 and b.ad.saved_bytes() == 0
+        # F keeps only what it sends on; B now runs F's matmuls again
+        assert set(b.ad.forward.out_slots) == set(b.ad.out_slots)
+        mms = [sum(e.op in ("aten.mm.default", "aten.addmm.default", "aten.linear.default") for e in part.graph.eqns)
+               for part in (a.ad.backward_input, b.ad.backward_input)]
+        assert mms[1] > mms[0], mms
+    model = CostModel(get_device("h100"), get_link(None, get_device("h100")))
+    cuts = _hand_plan(graph, "1f1b", (False,) * 3).cuts
+    for a, b in zip(exact(graph, cuts, model), exact(graph, cuts, model, recompute=(True,) * 3)):
+        assert b.recompute and b.saved_bytes < a.saved_bytes
+        assert b.backward_input + b.backward_weight > a.backward_input + a.backward_weight
+        assert b.forward == a.forward
+
+
+def test_plan_recompute_defaults_round_trips_and_checks_length() -> None:
+    stages = tuple(StagePlan(k, 0, 0, k) for k in range(2))
+    p = Plan("1f1b", 2, 2, 1, 4, (10,), stages)
+    assert p.recompute == (False, False) and "recomputation" not in str(p)
+    q = Plan("1f1b", 2, 2, 1, 4, (10,), stages, recompute=[1, 0])
+    assert q.recompute == (True, False) and Plan.from_json(q.to_json()) == q
+    assert str(q).splitlines()[-1] == "activation recomputation on stages [0]"
+    with pytest.raises(PlanError, match="3 flags for 2 stages"):
+        Plan("1f1b", 2, 2, 1, 4, (10,), stages, recompute=(True, False, True))
+
+
+@functools.lru_cache(maxsize=None)
+def _medium() -> tuple:
+    params = init_params(MEDIUM, torch.bfloat16, "meta")
+    return make_loss_fn(MEDIUM), params, example_batch(MEDIUM, 32, "meta")
+
+
+@functools.lru_cache(maxsize=None)
+def _roomy() -> Plan:
+    fn, params, batch = _medium()
+    return plan(fn, params, *batch, recompute=False, **PLAN_KW)
+
+
+def _exact_stages(p: Plan, recompute: tuple[bool, ...]) -> tuple[CostModel, tuple]:
+    fn, params, (tokens, targets) = _medium()
+    size = p.microbatch_size
+    graph = ir.trace(fn, params, tokens[:size], targets[:size], device="cpu")
+    profile = get_device("h100")
+    model = CostModel(profile, get_link(None, profile))
+    return model, exact(graph, p.cuts, model, recompute=recompute)
+
+
+def _simulated_peaks(p: Plan) -> tuple[float, ...]:
+    """The schedule simulator's memory peaks of `p` from its stages' exact costs (margin left out)."""
+    model, stages = _exact_stages(p, p.recompute)
+    return schedules.simulate(p.table(), schedule_costs(stages, p.table(), model, MemoryModel())).peak_memory
+
+
+def test_memory_limit_turns_recompute_on_for_the_first_stages() -> None:
+    fn, params, batch = _medium()
+    roomy = _roomy()
+    assert roomy.recompute == (False,) * 4
+    limit = int(0.7 * roomy.rank_memory[0])  # 1F1B stage 0 holds 4 microbatches: too many at this limit
+    with pytest.raises(SplitError, match="activation recomputation makes it fit: pass recompute='auto'"):
+        plan(fn, params, *batch, memory_limit=limit, recompute=False, **PLAN_KW)
+    tight = plan(fn, params, *batch, memory_limit=limit, **PLAN_KW)  # recompute="auto" is the default
+    assert tight.recompute[0] and not tight.recompute[-1], tight.recompute
+    assert max(tight.rank_memory) <= limit and all(s.peak_memory <= limit for s in tight.stages)
+    assert max(_simulated_peaks(tight)) <= limit
+    assert Plan.from_json(tight.to_json()).recompute == tight.recompute
+    # the recomputing stage pays its forward again in the backward, and keeps far less per microbatch
+    _, plain = _exact_stages(tight, (False,) * 4)
+    first = tight.stages[0]
+    assert first.backward_input_time + first.backward_weight_time > plain[0].backward_input + plain[0].backward_weight
+    without = stage_peaks(tight.table(), [s.memory(MemoryModel()) for s in plain], MemoryModel())
+    assert without[0] > limit >= first.peak_memory  # at these very cuts, stage 0 fits only by recomputing
+
+
+def test_recompute_true_everywhere_and_auto_untouched_with_room() -> None:
+    fn, params, batch = _medium()
+    everywhere = plan(fn, params, *batch, recompute=True, **PLAN_KW)
+    assert everywhere.recompute == (True,) * 4
+    assert plan(fn, params, *batch, recompute="auto", **PLAN_KW) == _roomy()
+    assert everywhere.predicted_step_time > _roomy().predicted_step_time
+    assert max(everywhere.rank_memory) < max(_roomy().rank_memory)
+    with pytest.raises(PlanError, match="recompute must be False"):
+        plan(fn, params, *batch, recompute="sometimes", **PLAN_KW)
+
+
+def test_error_says_recompute_was_tried_when_it_does_not_help() -> None:
+    fn, params, batch = _medium()
+    limit = int(0.3 * _roomy().rank_memory[0])
+    with pytest.raises(SplitError) as auto:
+        plan(fn, params, *batch, memory_limit=limit, **PLAN_KW)
+    assert "even with activation recomputation" in str(auto.value) and "recompute='auto'" not in str(auto.value)
+    with pytest.raises(SplitError) as off:
+        plan(fn, params, *batch, memory_limit=limit, recompute=False, **PLAN_KW)
+    assert "activation recomputation would not make it fit either" in str(off.value)
+
+
+def test_fixed_cuts_recompute_the_ranks_over_the_limit() -> None:
+    fn, params, batch = _medium()
+    roomy = _roomy()
+    limit = int(0.7 * roomy.rank_memory[0])
+    p = plan(fn, params, *batch, cuts=roomy.cuts, memory_limit=limit, **PLAN_KW)
+    assert p.cuts == roomy.cuts and p.recompute[0] and max(p.rank_memory) <= limit
+    assert [r for r, m in enumerate(roomy.rank_memory) if m <= limit] == [k for k, r in enumerate(p.recompute) if not r]
