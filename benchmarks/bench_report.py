@@ -32,12 +32,15 @@ def ideal_seconds(flops: float, gpus: int, rate: float = H200_BF16_FLOPS) -> flo
     return flops / (rate * gpus)
 
 
-def bound(schedule: str, p: int, m: int) -> tuple[float, str]:
-    """The ideal fraction of p-times speed-up the schedule allows (F = B = W), and its formula."""
+def bound(schedule: str, p: int, m: int, *, v: int = 2) -> tuple[float, str]:
+    """The ideal fraction of p-times speed-up the schedule allows (F = B = W), and its formula;
+    `p` is the pipeline depth (ranks per replica), `v` the stages per rank of interleaved-1f1b."""
     if p <= 1:
         return 1.0, "1 (no pipeline)"
     if schedule in ("1f1b", "gpipe"):
         return m / (m + p - 1), "m/(m+p-1)"
+    if schedule == "interleaved-1f1b":
+        return v * m / (v * m + p - 1), "vm/(vm+p-1)"
     if schedule == "zb-h1":  # idle (p-1)(F+B-W) = (p-1)F against m(F+B+W) = 3mF of work
         return 3 * m / (3 * m + p - 1), "3m/(3m+p-1)"
     if schedule == "zbv":

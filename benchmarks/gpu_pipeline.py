@@ -92,7 +92,8 @@ class Bench:
                        device=self.world.device, across_ranks=across_ranks, label=label if self.rank0 else "")
 
     def add(self, framework: str, schedule: str, result: Measurement, p: int, **extra: Any) -> None:
-        frac, formula = bench_report.bound(schedule, p, self.m)
+        dp = self.args.dp if framework == "fnpipe" else 1
+        frac, formula = bench_report.bound(schedule, max(1, p // dp), self.m, v=self.args.stages_per_rank)
         row = {"framework": framework, "schedule": schedule, "ranks": p, "bound": frac, "bound_formula": formula,
                "loss0": result.losses[0], "finite": all(math.isfinite(x) for x in result.losses),
                **result.to_json(), **extra}
@@ -151,8 +152,11 @@ def run_fnpipe(b: Bench, schedule: str, *, alone: bool = False) -> None:
     if alone and b.world.size > 1:
         step = alone_step(b, schedule)
     else:
+        layout = {"dp": b.args.dp} if b.args.dp > 1 else {}
+        if schedule == "interleaved-1f1b":
+            layout["stages_per_rank"] = b.args.stages_per_rank
         step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
-                                  timeout=b.args.timeout, calibrate=b.args.calibrate or False)
+                                  timeout=b.args.timeout, calibrate=b.args.calibrate or False, **layout)
     build_s = time.perf_counter() - t
     if b.rank0:
         print(step.plan, flush=True)
@@ -288,6 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-fnpipe", action="store_true", help="skip fnpipe")
     ap.add_argument("--no-one-gpu", action="store_true", help="skip the one-device runs in a multi-rank launch")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dp", type=int, default=1, help="fnpipe data-parallel replicas (world = stages x dp)")
+    ap.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved-1f1b")
     ap.add_argument("--calibrate", default=None, help="JSON path: time the model's ops once on rank 0 (kept "
                     "there for the other schedules) so fnpipe splits by measured costs")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds any collective may wait")

@@ -42,7 +42,9 @@ class DistTransport:
         self.timeout = timeout
         self.nccl = dist.get_backend() == "nccl"
         td = datetime.timedelta(seconds=timeout)
-        self.groups: dict[tuple[int, ...], Any] = {tuple(range(self.world_size)): None}
+        everyone = tuple(range(self.world_size))
+        # The whole world gets a group of its own too: the default group may carry someone else's timeout.
+        self.groups: dict[tuple[int, ...], Any] = {everyone: dist.new_group(list(everyone), timeout=td)}
         for g in sorted(set(groups)):  # new_group is collective: every rank creates every group, in order
             if g not in self.groups:
                 self.groups[g] = dist.new_group(list(g), timeout=td)
@@ -101,11 +103,11 @@ class DistTransport:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        try:  # bounded by the default group's timeout, which launch.init sets from parallelize(timeout=)
-            dist.all_gather_object(out, obj)
+        try:
+            dist.all_gather_object(out, obj, group=self.groups[tuple(range(self.world_size))])
         except RuntimeError as exc:
             peers = tuple(r for r in range(self.world_size) if r != self.rank)
-            raise self._failure("all-gather of plan fingerprints", exc, peers) from exc
+            raise self._failure("all-gather over all ranks", exc, peers) from exc
         return out
 
 

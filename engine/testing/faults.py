@@ -15,6 +15,7 @@ the next instruction: every program ends with `reduce_loss`, so there always is 
 """
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable
 
 import torch
@@ -26,7 +27,7 @@ __all__ = ["SKIP", "DropWeightGrad", "Fault", "ScaleGrad", "StaleActivation", "S
 SKIP = "skip"  # what a hook returns to make the runtime skip the instruction
 
 
-class Fault:
+class Fault(abc.ABC):
     """Base: `apply` runs only on world rank `rank`; `pending` undoes the previous instruction's change."""
 
     options: tuple[str, ...] = ()  # the constructor's settings, for repr
@@ -48,9 +49,9 @@ class Fault:
     def reset(self) -> None:
         """A step starts on the rank (one fault can serve several checks)."""
 
+    @abc.abstractmethod
     def apply(self, executor: Any, ins: Instr) -> str | None:
         """Act before `ins` on this rank; return SKIP to have the runtime skip it."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in ("rank", *self.options, "fired"))

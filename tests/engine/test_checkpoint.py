@@ -170,7 +170,6 @@ def test_process_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (REPO / ".venv/bin/mpirun").exists(), reason="needs the venv's mpirun")
 def test_resume_example_from_two_stages_on_two_ranks_to_one_rank(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     example = [str(REPO / "examples/resume.py"), "--ckpt", str(tmp_path), "--steps", "5", "--stop-at", "2"]

@@ -226,7 +226,6 @@ except ParallelMismatch as err:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.skipif(not MPIRUN.exists(), reason="needs the venv's mpirun")
 def test_under_mpirun_the_real_runtime_is_checked() -> None:
     """Two ranks (gloo): the example's property passes on both; a dropped W on rank 1 fails on both ranks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CHECK_MY_MODEL_EXAMPLES": "6", "OMPI_ALLOW_RUN_AS_ROOT": "1",
