@@ -1,0 +1,198 @@
+"""Misuse raises the engine's own errors with the numbers and the fix, never an assert or a hang."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import engine
+import ir
+import schedules
+from engine import PlanError, RuntimeMismatchError, SplitError
+from engine.inprocess import build_steps
+from engine.plan import Plan, StagePlan
+from engine.planner import plan
+from engine.step import Step
+from engine.transport import Hub, LocalTransport
+from tests.mpi import models
+
+PARAMS = models.init_params(layers=4)
+BATCH = models.batch(size=16)
+
+
+def by_hand(schedule: str, stages: int, *, microbatches: int = 2, cuts: tuple[int, ...] = (14,)) -> Plan:
+    return Plan(schedule, stages, stages, 1, microbatches, cuts,
+                stages=tuple(StagePlan(k, 0, 0, 0) for k in range(stages)))
+
+
+@pytest.fixture(scope="module")
+def step() -> engine.Step:
+    """One process, one rank: the step that the params and batch checks run against."""
+    return engine.parallelize(models.loss_fn, PARAMS, *BATCH, microbatches=4)
+
+
+# -- batch, world and layout ---------------------------------------------------------------------------
+
+def test_batch_not_divisible_by_microbatches_times_dp() -> None:
+    with pytest.raises(PlanError) as caught:
+        plan(models.loss_fn, PARAMS, *BATCH, world_size=4, dp=2, microbatches=3)
+    msg = str(caught.value)
+    assert "batch size 16" in msg and "microbatches=3" in msg and "dp=2" in msg
+    assert "dp 2: [1, 2, 4, 8]" in msg  # the valid microbatch counts: the fix
+    with pytest.raises(PlanError, match=r"batch size 16 .*\(microbatches=5, dp=None, world_size=1.*\[1, 2, 4, 8, 16\]"):
+        engine.parallelize(models.loss_fn, PARAMS, *BATCH, microbatches=5)
+
+
+def test_batch_at_call_time_must_split_like_the_example(step: engine.Step) -> None:
+    with pytest.raises(PlanError) as caught:
+        step(step.shard(PARAMS), *models.batch(size=10))
+    msg = str(caught.value)
+    assert "batch size 10" in msg and "4 equal microbatches" in msg and "multiple of it" in msg
+
+
+@pytest.mark.parametrize("world,stages,dp,valid", [
+    (4, 3, None, "[1, 2, 4]"),
+    (4, 2, 1, "[1, 2, 4]"),
+    (6, 4, None, "[1, 2, 3, 6]"),
+])
+def test_world_size_must_equal_stages_times_dp(world: int, stages: int, dp: int | None, valid: str) -> None:
+    with pytest.raises(PlanError) as caught:
+        plan(models.loss_fn, PARAMS, *BATCH, world_size=world, stages=stages, dp=dp)
+    msg = str(caught.value)
+    assert f"stages={stages}, dp={dp}" in msg and f"world_size={world}" in msg
+    assert f"valid stage counts are {valid}" in msg
+
+
+def test_one_process_cannot_hold_two_stages_of_a_one_stage_per_rank_schedule() -> None:
+    with pytest.raises(PlanError, match=r"stages=2, dp=None do not fit world_size=1.*valid stage counts are \[1\]"):
+        engine.parallelize(models.loss_fn, PARAMS, *BATCH, stages=2, microbatches=4)
+
+
+def test_zbv_needs_an_even_stage_count() -> None:
+    with pytest.raises(PlanError, match=r"stages=3 does not split into 2 stages per rank; use a multiple of 2"):
+        plan(models.loss_fn, PARAMS, *BATCH, world_size=2, schedule="zbv", stages=3)
+    with pytest.raises(schedules.ScheduleError, match=r"num_stages must be even \(got 3\); use 2 or 4"):
+        schedules.get("zbv")(3, 4)
+
+
+def test_interleaved_needs_microbatches_in_groups_of_the_ranks() -> None:
+    with pytest.raises((PlanError, SplitError)) as caught:
+        plan(models.loss_fn, PARAMS, *models.batch(size=12), world_size=2, schedule="interleaved-1f1b", stages=4,
+             stages_per_rank=2, microbatches=3)
+    msg = str(caught.value)
+    assert "num_microbatches=3 is not a multiple of the 2 ranks" in msg and "use 2 or 4" in msg
+
+
+def test_one_stage_per_rank_schedule_refuses_stages_per_rank() -> None:
+    with pytest.raises(PlanError, match=r"'1f1b' runs one stage per rank; stages_per_rank=2 needs one of "
+                                        r"\['interleaved-1f1b', 'zbv'\]"):
+        plan(models.loss_fn, PARAMS, *BATCH, world_size=2, stages=4, stages_per_rank=2)
+
+
+def test_more_stages_than_the_model_has_cut_points() -> None:
+    with pytest.raises(SplitError) as caught:
+        plan(models.loss_fn, PARAMS, *models.batch(size=64), world_size=64, stages=64, microbatches=1)
+    msg = str(caught.value)
+    assert "28 blocks" in msg and "fewer than 64 stages" in msg and "use at most 28 stages" in msg
+
+
+# -- names, tracing, params ----------------------------------------------------------------------------
+
+def test_unknown_schedule_suggests_the_closest_name() -> None:
+    with pytest.raises(PlanError) as caught:
+        engine.parallelize(models.loss_fn, PARAMS, *BATCH, schedule="zb-h2", microbatches=4)
+    msg = str(caught.value)
+    assert "unknown schedule 'zb-h2'" in msg and "did you mean 'zb-h1'?" in msg
+    assert "1f1b, gpipe, interleaved-1f1b, zb-h1, zbv" in msg
+    with pytest.raises(PlanError, match=r"unknown schedule '1fb1'.*'1f1b'"):
+        plan(models.loss_fn, PARAMS, *BATCH, world_size=2, schedule="1fb1")
+
+
+def test_data_dependent_control_flow_cannot_be_traced() -> None:
+    def branchy(params: dict, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = models.loss_fn(params, tokens, targets)
+        return loss if loss > 1 else 2 * loss
+
+    with pytest.raises(ir.TraceError) as caught:
+        engine.parallelize(branchy, PARAMS, *BATCH, microbatches=4)
+    msg = str(caught.value)
+    assert "cannot trace branchy" in msg and "control flow on tensor values" in msg and "torch.where" in msg
+
+
+@pytest.mark.parametrize("leaf,bad,got", [
+    ("skip", torch.zeros(8, 9, dtype=torch.float64), "f64[8,9]"),
+    ("skip", torch.zeros(8, 8, dtype=torch.float32), "f32[8,8]"),
+    ("embed", None, "None"),
+])
+def test_param_leaf_of_the_wrong_shape_dtype_or_missing(step: engine.Step, leaf: str, bad: Any, got: str) -> None:
+    params = step.shard(PARAMS)
+    params[leaf] = bad
+    with pytest.raises(PlanError) as caught:
+        step(params, *BATCH)
+    want = {"skip": "f64[8,8]", "embed": "f64[11,8]"}[leaf]
+    assert f"param '{leaf}' on rank 0 should be {want}, got {got}; pass the tree from step.shard(params)" \
+        == str(caught.value)
+
+
+def test_params_tree_with_the_wrong_leaf_count(step: engine.Step) -> None:
+    with pytest.raises(PlanError, match=r"params has 1 leaves, the traced function 14; pass the tree returned by "
+                                        r"step.shard\(params\)"):
+        step({"embed": PARAMS["embed"]}, *BATCH)
+
+
+# -- ranks that disagree -------------------------------------------------------------------------------
+
+def verify_all(steps: list[Step]) -> list[BaseException | None]:
+    """Every rank's `verify` at once, in threads sharing one hub (as ranks would over the network)."""
+    hub = Hub(len(steps), timeout=30.0)
+    mixed = [Step(s.fn, s.graph, s.plan, s.world, LocalTransport(hub, r), infos=s.infos, programs=(s.table, s.programs))
+             for r, s in enumerate(steps)]
+    errors: list[BaseException | None] = [None] * len(mixed)
+
+    def work(r: int) -> None:
+        try:
+            mixed[r].verify()
+        except BaseException as exc:  # noqa: BLE001 -- returned to the test
+            errors[r] = exc
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(mixed))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "verify hung"
+    return errors
+
+
+@pytest.fixture(scope="module")
+def two_plans() -> tuple[tuple[Step, ...], tuple[Step, ...]]:
+    return (build_steps(models.loss_fn, PARAMS, BATCH, by_hand("1f1b", 2)),
+            build_steps(models.loss_fn, PARAMS, BATCH, by_hand("gpipe", 2)))
+
+
+def test_ranks_with_the_same_plan_agree(two_plans) -> None:
+    ones, _ = two_plans
+    assert verify_all(list(ones)) == [None, None]
+
+
+def test_ranks_with_different_plans_refuse_to_run(two_plans) -> None:
+    ones, gpipes = two_plans
+    errors = verify_all([ones[0], gpipes[1]])
+    for err in errors:  # both ranks refuse, so neither waits forever on the other's first message
+        assert isinstance(err, RuntimeMismatchError), errors
+        msg = str(err)
+        assert "ranks [1] built a different plan or program than rank 0" in msg
+        assert "every rank must call parallelize with the same function, shapes, dtypes and options" in msg
+
+
+def test_ranks_with_the_same_plan_but_a_different_program_refuse_to_run(two_plans) -> None:
+    ones, _ = two_plans
+    edited = list(ones[1].programs)
+    edited[1] = attrs.evolve(edited[1], instrs=edited[1].instrs[:-1])  # rank 1's program lost its last instruction
+    odd = ones[1]
+    bad = Step(odd.fn, odd.graph, odd.plan, odd.world, odd.transport, infos=odd.infos, programs=(odd.table, edited))
+    errors = verify_all([ones[0], bad])
+    assert all(isinstance(e, RuntimeMismatchError) and "ranks [1] built a different" in str(e) for e in errors), errors
