@@ -4,6 +4,11 @@ One process, no launch: a laptop plans for a cluster. Every candidate layout (pi
 microbatches) is split on estimated block costs and simulated with its schedule; the fastest that fits in
 memory is then made exact: its stages go through stage autodiff, the block estimates are corrected by
 what autodiff reports, and the split is redone until it is stable and every rank fits.
+
+Activation recomputation is chosen per stage inside the split (`stagecost.split_recompute`): with
+recompute="auto" a stage recomputes only when it does not fit its budget without, paying its forward
+twice; when that happened, the best split without any recomputation is made exact too and the faster
+of the two wins.
 """
 from __future__ import annotations
 

@@ -5,12 +5,18 @@
     loss, grads = step(params, x, y)                      # params and grads float32: the optimizer updates masters
 
 The params stay in their own dtype (float32 masters: what `step.shard`, the optimizer and checkpoints
-see); the cast is an ordinary op of the graph, so each stage casts its own params, its matmuls run in
-the compute dtype, and the grads flow back through the cast in the params' dtype. Only params are cast:
-float batch leaves reach `fn` as given (cast them in `fn`, e.g. `x.to(w.dtype)`, if the model mixes them
-with params). A low-precision float loss is returned in float32, so microbatch losses and the loss
-cotangent are summed in float32. Grads equal `torch.func.grad(mixed_precision(fn))` on the same params:
-that is the function being differentiated (against float32 `fn` they differ by bf16 rounding).
+see). Every torch call inside `fn` that reads a float param gets `param.to(compute_dtype)` instead, so
+the cast is an ordinary op of the graph placed right before each use: a stage casts the params it uses
+(a tied weight once per use, never carried between stages as an activation), its matmuls run in the
+compute dtype, and the grads flow back through the casts in the params' own dtype. Reading `param.dtype`
+inside `fn` gives the compute dtype, as if the params had been cast. Only params are cast, never the
+batch as such: float batch leaves reach `fn` in their own dtype, and an activation or batch value meets
+the compute dtype only at a call that also reads a param (`F.linear(x, w)` casts `x` too, as PyTorch
+would refuse float32 x bfloat16); ops without params run in whatever dtype their inputs have, so a
+float32 target stays float32 in the loss. A low-precision float loss is returned in float32, so
+microbatch losses and the loss cotangent are summed in float32. Grads equal
+`torch.func.grad(mixed_precision(fn))` on the same params: that is the function being differentiated
+(against float32 `fn` they differ by bf16 rounding).
 """
 from __future__ import annotations
 
@@ -18,19 +24,39 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .errors import PlanError
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})  # properties that compute with the tensor
 
 
-def cast_params(params: Any, dtype: torch.dtype) -> Any:
-    """`params` with every floating tensor leaf cast to `dtype` (others unchanged)."""
-    def cast(x: Any) -> Any:
-        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
+class CastParams(TorchFunctionMode):
+    """While active, a torch call that reads one of the float tensors `params` computes in `dtype`: its
+    float tensor arguments are cast (metadata reads such as `.shape` see the param itself, `.dtype`
+    the compute dtype)."""
 
-    return pytree.tree_map(cast, params)
+    def __init__(self, params: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ids = {id(x) for x in pytree.tree_leaves(params) if isinstance(x, torch.Tensor) and x.is_floating_point()}
+        self.dtype = dtype
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype) if x.is_floating_point() and x.dtype != self.dtype else x
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__":  # a Tensor property
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop == "dtype" and args and id(args[0]) in self.ids:
+                return self.dtype
+            if prop not in VIEW_PROPERTIES:
+                return func(*args, **kwargs)
+        if any(id(x) in self.ids for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)):
+            args, kwargs = pytree.tree_map_only(torch.Tensor, self._cast, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 def mixed_precision(fn: Callable[..., Any], compute_dtype: torch.dtype = torch.bfloat16) -> Callable[..., Any]:
@@ -40,11 +66,11 @@ def mixed_precision(fn: Callable[..., Any], compute_dtype: torch.dtype = torch.b
 
     @functools.wraps(fn)
     def wrapped(params: Any, *batch: Any) -> Any:
-        out = fn(cast_params(params, compute_dtype), *batch)
+        with CastParams(params, compute_dtype):
+            out = fn(params, *batch)
         if isinstance(out, torch.Tensor) and out.dtype in LOW_PRECISION:
             return out.float()
         return out
 
     wrapped.compute_dtype = compute_dtype  # type: ignore[attr-defined]
-    wrapped.__wrapped_fn__ = fn  # type: ignore[attr-defined]
     return wrapped

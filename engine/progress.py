@@ -37,7 +37,7 @@ class LineBar:
         self.total, self.desc, self.delay = total, desc, delay
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.n, self.start, self.drawn_at = 0, time.monotonic(), None
+        self.n, self.start, self.drawn_at, self.drawn_n = 0, time.monotonic(), None, -1
         self.interval = TTY_INTERVAL if self.tty else FILE_INTERVAL
 
     def text(self) -> str:
@@ -51,12 +51,16 @@ class LineBar:
             return
         self.stream.write(("\r" + self.text()) if self.tty else self.text() + "\n")
         self.stream.flush()
-        self.drawn_at = now
+        self.drawn_at, self.drawn_n = now, self.n
 
     def close(self) -> None:
-        if self.drawn_at is not None:  # only a bar that was shown gets its final count
-            self.stream.write(("\r" + self.text() + "\n") if self.tty else self.text() + "\n")
-            self.stream.flush()
+        if self.drawn_at is None:  # never shown: the work was quick
+            return
+        if self.tty:
+            self.stream.write("\r" + self.text() + "\n")
+        elif self.drawn_n != self.n:
+            self.stream.write(self.text() + "\n")
+        self.stream.flush()
 
 
 def bar(total: int | None, desc: str, *, delay: float = DELAY) -> Any:

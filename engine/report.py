@@ -1,13 +1,18 @@
 """Predicted vs measured: the plan's per-stage F/B/W times and peak memory against a traced step, and its timeline.
 
     loss, grads, spans = step.traced(params, x, y)      # after a few steps: warm caches and allocator
-    print(engine.report.compare(step, spans))           # this rank; step.all_spans(spans) for every rank
-    engine.report.save_timeline_png(step.all_spans(spans), "timeline.png")
-    engine.tracing.save_perfetto(step.all_spans(spans), "trace.json")   # ui.perfetto.dev
+    print(engine.report.compare(step, spans))           # this rank's stages
+    every, memory = engine.report.gather(step, spans)   # a collective: every rank calls it
+    if step.world.rank == 0:
+        print(engine.report.compare(step, every, memory=memory))
+        engine.report.save_timeline_png(every, "timeline.png")
+        engine.tracing.save_perfetto(every, "trace.json")   # ui.perfetto.dev
 
 Ratios are measured / predicted: above 1 the plan was optimistic. Times are medians over microbatches of
-one traced step; measured memory is `torch.cuda.max_memory_allocated` on GPU (pass `memory` for ranks
-other than this one), absent on CPU.
+one traced step; an instruction's time includes waiting for the inputs it receives (the runtime waits
+for a receive when it first reads the buffer), so stalls show up in the stage that waited. Measured
+memory is `torch.cuda.max_memory_allocated` on GPU (pass `memory` for ranks other than this one), absent
+on CPU.
 """
 from __future__ import annotations
 
@@ -28,7 +33,11 @@ COMM_COLOR, OTHER_COLOR = "#8C8C8C", "#C8C8C8"
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+    return "-" if seconds is None else f"{seconds * 1e3:.4g}"
+
+
+def _gb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e9:.4g}"
 
 
 def _ratio(measured: float | None, predicted: float | None) -> str:
@@ -60,6 +69,12 @@ def measured_memory(step: Any) -> dict[int, float]:
     return {step.world.rank: float(torch.cuda.max_memory_allocated(device))}
 
 
+def gather(step: Any, spans: Sequence[Span]) -> tuple[list[Span], dict[int, float]]:
+    """Every rank's spans and measured peak memory (a collective: call it on all ranks)."""
+    parts = step.transport.all_gather_object((list(spans), measured_memory(step)))
+    return [s for part, _ in parts for s in part], {r: m for _, mem in parts for r, m in mem.items()}
+
+
 def compare(step: Any, spans: Sequence[Span], *, memory: Mapping[int, float] | None = None) -> str:
     """A table per stage in `spans`: predicted, measured and ratio of F, B and W (ms per microbatch);
     then per world rank in `spans`: predicted and measured step time and peak memory."""
@@ -85,8 +100,7 @@ def compare(step: Any, spans: Sequence[Span], *, memory: Mapping[int, float] | N
         meas_time, meas_mem = step_time(spans, r), mem.get(r)
         rank_rows.append([str(r), _ms(plan.predicted_step_time), _ms(meas_time),
                           _ratio(meas_time, plan.predicted_step_time),
-                          "-" if pred_mem is None else f"{pred_mem / 1e9:.2f}",
-                          "-" if meas_mem is None else f"{meas_mem / 1e9:.2f}", _ratio(meas_mem, pred_mem)])
+                          _gb(pred_mem), _gb(meas_mem), _ratio(meas_mem, pred_mem)])
     lines = [f"predicted vs measured ({plan.schedule}, {plan.num_stages} stages, {plan.microbatches} microbatches; "
              "ratio = measured / predicted)"]
     lines += _table(header, rows)

@@ -3,7 +3,12 @@
 Estimates sum the blocks' numbers (cheap, used while searching). Exact costs slice the graph with
 `ir.split` and time the F, B and W graphs that `ir.stage_autodiff` builds; saved bytes are what F
 really hands to B and W. Exact costs are cached per equation range, since a stage's slice depends only
-on its own range.
+on its own range (and whether it recomputes).
+
+A stage with activation recomputation keeps only its outputs per microbatch; its B redoes the forward
+(seconds added to B) and holds one microbatch's activations while B and W run (its workspace).
+`split_recompute` is the splitter with that choice per stage: never, always, or "auto" (only where a
+stage does not fit without).
 """
 from __future__ import annotations
 

@@ -125,8 +125,9 @@ class Step:
             x = leaves[pid]
             want = self.graph.inputs[pid].aval
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != want.shape or x.dtype != want.dtype:
+                got = ir.AbstractValue.of(x) if isinstance(x, torch.Tensor) else repr(x)
                 raise PlanError(f"param '{self.graph.input_names[pid]}' on rank {self.world.rank} should be "
-                                f"{want}, got {getattr(x, 'shape', x)}; pass the tree from step.shard(params)")
+                                f"{want}, got {got}; pass the tree from step.shard(params)")
             local[pid] = x
         m, dp = self.plan.microbatches, self.plan.dp
         chunks = split_batch(batch, m * dp)[self.replica * m:(self.replica + 1) * m]
@@ -223,6 +224,10 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         from .precision import mixed_precision
 
         loss_fn = mixed_precision(loss_fn, compute_dtype)
+    try:  # before anything slow; the registry's message suggests the closest name
+        schedules.get(schedule)
+    except schedules.ScheduleError as err:
+        raise PlanError(str(err)) from err
     world = launch.init(timeout)
     options = dict(stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                    device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts, recompute=recompute)

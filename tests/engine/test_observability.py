@@ -1,0 +1,153 @@
+"""Observability: log levels from ENGINE_LOG_LEVEL*, progress bars, the predicted-vs-measured report and timelines."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import logs, progress, report
+from engine.inprocess import build_steps, run_steps
+from engine.plan import Plan
+from engine.planner import plan
+from engine.tracing import Tracer, save_perfetto
+from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
+
+ROOT = Path(__file__).resolve().parents[2]
+EMIT = """
+import logging, engine.logs
+for name in ("engine.split", "engine.runtime", "engine.plan", "engine.launch"):
+    log = logging.getLogger(name)
+    log.debug("%s debug", name); log.info("%s info", name); log.warning("%s warning", name)
+"""
+
+
+def _run(env: dict[str, str]) -> str:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_")}
+    out = subprocess.run([sys.executable, "-c", EMIT], env={**clean, "PYTHONPATH": str(ROOT), **env},
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stderr
+
+
+def test_log_level_env_vars_take_effect_per_module() -> None:
+    err = _run({"ENGINE_LOG_LEVEL": "WARNING", "ENGINE_LOG_LEVEL_SPLIT": "DEBUG", "ENGINE_LOG_LEVEL_RUNTIME": "info",
+                "RANK": "3"})
+    lines = [ln for ln in err.splitlines() if "engine." in ln]
+    shown = {ln.split("] ")[-1] for ln in lines}
+    assert shown == {"engine.split debug", "engine.split info", "engine.split warning", "engine.runtime info",
+                     "engine.runtime warning", "engine.plan warning", "engine.launch warning"}, err
+    assert all("rank 3 engine." in ln for ln in lines), lines
+    assert "engine.plan info" in _run({"ENGINE_LOG_LEVEL": "INFO"}).replace("] ", "\n")
+    assert "engine.plan info" not in _run({})  # unset: Python's default (warnings only)
+
+
+def test_configure_reads_levels_and_warns_on_bad_values() -> None:
+    root = logging.getLogger("engine")
+    try:
+        assert logs.configure({"ENGINE_LOG_LEVEL_PLAN": "10"}) == {"engine.plan": 10}
+        assert logging.getLogger("engine.plan").getEffectiveLevel() == logging.DEBUG
+        assert logging.getLogger("engine.runtime").getEffectiveLevel() == logging.WARNING
+        with pytest.warns(UserWarning, match="ENGINE_LOG_LEVEL_SPLIT='loud' is not a log level"):
+            assert logs.configure({"ENGINE_LOG_LEVEL_SPLIT": "loud"}) == {}
+        with pytest.warns(UserWarning, match="no logger engine.splitter"):
+            logs.configure({"ENGINE_LOG_LEVEL_SPLITTER": "DEBUG"})
+    finally:
+        logs.configure({})
+        for name in ("engine", *(f"engine.{m}" for m in logs.MODULES)):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+    assert root.propagate and not any(isinstance(h, logs._EngineHandler) for h in root.handlers)
+
+
+def test_line_bar_waits_two_seconds_then_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.StringIO()
+    quick = progress.LineBar(3, "planning", stream=out)
+    for _ in range(3):
+        quick.update()
+    quick.close()
+    assert out.getvalue() == ""  # under two seconds: nothing
+    slow = progress.LineBar(3, "calibrating", delay=0.0, stream=out)
+    slow.update()
+    slow.update()  # within 10 s of the last line: not drawn on a file
+    slow.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("calibrating: 1/3, ") and lines[1].startswith("calibrating: 2/3, ")
+    monkeypatch.setenv("ENGINE_PROGRESS", "0")
+    assert isinstance(progress.bar(3, "x"), progress._Null)
+    assert progress.enabled({"RANK": "0"}) and not progress.enabled({"OMPI_COMM_WORLD_RANK": "2"})
+    assert progress.enabled({"RANK": "2", "ENGINE_PROGRESS": "1"})
+    assert list(progress.track(range(4), "x")) == [0, 1, 2, 3]
+
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def traced() -> tuple:
+    """One in-process interleaved-1F1B step, 4 stages on 2 ranks, with every instruction timed."""
+    params, batch = init_params(TINY, torch.float32), example_batch(TINY, 8)
+    fn = make_loss_fn(TINY)
+    p = plan(fn, params, *batch, world_size=2, stages=4, schedule="interleaved-1f1b", microbatches=4, device="cpu")
+    steps = build_steps(fn, params, batch, p)
+    run_steps(steps, params, batch)  # warm-up: compile every part
+    for s in steps:
+        s.executor.tracer = Tracer(s.world.rank, s.world.device)
+    run_steps(steps, params, batch)
+    spans = [sp for s in steps for sp in s.executor.tracer.spans]
+    return steps, spans
+
+
+def test_report_compares_every_stage_and_rank(traced: tuple) -> None:
+    steps, spans = traced
+    p: Plan = steps[0].plan
+    text = report.compare(steps[0], spans, memory={0: 1e9})
+    lines = text.splitlines()
+    header = lines[1].split()
+    assert header[:3] == ["stage", "rank", "recompute"] and "F ratio" in lines[1] and "W meas ms" in lines[1]
+    rows = [ln.split() for ln in lines[2:2 + p.num_stages]]
+    assert [int(r[0]) for r in rows] == list(range(p.num_stages))
+    for r in rows:
+        st = p.stages[int(r[0])]
+        assert int(r[1]) == st.rank
+        f_pred, f_meas, f_ratio = float(r[3]), float(r[4]), float(r[5])
+        assert f_pred == pytest.approx(st.forward_time * 1e3, rel=1e-3) and f_meas > 0
+        assert f_ratio == pytest.approx(f_meas / f_pred, rel=0.02, abs=0.01)
+    ranks = [ln.split() for ln in lines[3 + p.num_stages:]]
+    assert [r[0] for r in ranks[1:]] == ["0", "1"]
+    assert ranks[1][5] == "1" and ranks[2][5] == "-" and ranks[2][6] == "-"  # memory measured on rank 0 only
+    assert float(ranks[1][6]) == pytest.approx(1e9 / p.rank_memory[0], rel=0.01)
+    assert float(ranks[1][2]) > 0 and float(ranks[1][1]) == pytest.approx(p.predicted_step_time * 1e3, rel=1e-3)
+
+
+def test_gather_collects_every_rank(traced: tuple) -> None:
+    steps, spans = traced
+    mine = [[sp for sp in spans if sp.rank == s.world.rank] for s in steps]
+    out: list = [None] * len(steps)
+    hub = steps[0].transport.hub
+    with hub.cv:
+        hub.alive, hub.failure = set(range(len(steps))), None
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, report.gather(steps[r], mine[r])))
+               for r in range(len(steps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(o == (spans, {}) for o in out)  # rank order; no GPU memory on CPU
+
+
+def test_timeline_png_and_perfetto_are_written(traced: tuple, tmp_path: Path) -> None:
+    _, spans = traced
+    png = tmp_path / "timeline.png"
+    report.save_timeline_png(spans, png, title="tiny GPT, 2 ranks")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    trace = tmp_path / "trace.json"
+    save_perfetto(spans, str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert sum(e["ph"] == "X" and e["cat"] == "forward" for e in events) == 4 * 4  # 4 stages x 4 microbatches
