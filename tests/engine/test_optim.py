@@ -144,3 +144,19 @@ def test_clip_grad_norm_counts_each_leaf_once_over_stages_replicas_and_tied_copi
         assert abs(norm.item() - ref_norm) <= 1e-12 * ref_norm, rank
         for mine, want in zip(pytree.tree_leaves(g), ref):
             assert mine is None or (mine - want.grad).norm() <= 1e-12 * want.grad.norm()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_clip_grad_norm_under_mpirun_equals_one_process(ranks: int) -> None:
+    """The global norm over stages and dp replicas (each leaf counted once) equals torch's on one process."""
+    import re
+    import sys as _sys
+
+    from tests.mpi.jobs import BIN, job_env, launch
+
+    out = launch([str(BIN / "mpirun"), "-n", str(ranks), "--oversubscribe", "--bind-to", "none", _sys.executable,
+                  "tests/mpi/clip_grad_norm.py"], timeout=300, env=job_env())
+    configs = 1 if ranks == 2 else 2
+    assert "FAIL" not in out, out
+    assert len(re.findall(r"^OK rank \d+ ", out, flags=re.M)) == ranks * configs, out
