@@ -212,7 +212,7 @@ def _check_schedule(schedule: str) -> None:
     try:
         schedules.get(schedule)
     except (KeyError, ValueError) as err:
-        raise PlanError(f"unknown schedule '{schedule}'; use one of {sorted(schedules.names())}") from err
+        raise PlanError(str(err)) from err  # the registry's message names the known schedules and the closest
 
 
 def _rank_layouts(planner: Planner, candidates: Sequence[Layout]) -> tuple[list[Candidate], list[str]]:

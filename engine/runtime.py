@@ -108,7 +108,14 @@ class Executor:
 
     # -- handlers -------------------------------------------------------------------------------
     def compute(self, ins: Instr) -> None:
-        outs = self._part(ins.stage, ins.kind)(*[self.read(r, ins.mb) for r in ins.reads])
+        ad = self.infos[ins.stage].ad
+        edge = len(ad.grad_slots) + sum(c is not None for c in ad.ct_slots)  # inputs, then cotangents
+        slots = getattr(ad, ins.kind).in_slots
+        args = [self.read(r, ins.mb) for r in ins.reads]
+        # Stage inputs and cotangents were traced as contiguous placeholders; a value handed over on the
+        # same rank (zbv's turn of the V) or given by the user may not be, and a traced `view` needs it.
+        args = [a.contiguous() if s < edge and not a.is_contiguous() else a for a, s in zip(args, slots)]
+        outs = self._part(ins.stage, ins.kind)(*args)
         for ref, value in zip(ins.writes, outs):
             self.write(ref, value)
 

@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+import ir
+
 from engine import CommTimeoutError
 from engine.inprocess import build_steps, run_steps
 from engine.plan import Plan, StagePlan
@@ -99,3 +101,24 @@ def test_a_distributed_failure_names_the_rank_and_what_was_awaited() -> None:
                         "check its log. Connection closed by peer")
     many = t._failure("summing (all-reduce over ranks [0, 1, 2, 3])", RuntimeError("Timed out"), (0, 1, 3))
     assert "one of ranks [0, 1, 3] died or hangs" in str(many)
+
+
+def test_a_non_contiguous_grad_handed_over_on_the_same_rank_is_made_contiguous():
+    """zbv keeps stages 1 and 2 on rank 1: stage 2's input grad is a transpose (not contiguous) and stage
+    1's backward views it. Stage programs are traced with contiguous inputs, so the runtime must hand
+    them contiguous values (found by the harness in CI's derandomized run)."""
+    from engine.testing import assert_parallel_equivalent
+
+    def fn(p, x):
+        h = (x @ p["w"]).view(x.shape[0], 2, 2)   # stage 1: the view
+        t = h.transpose(1, 2)                     # stage 2: grad w.r.t. h is a transpose
+        return (t * p["v"]).sum(dim=(1, 2)).mean()
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, generator=g, dtype=torch.float64),
+              "v": torch.randn(2, 2, generator=g, dtype=torch.float64)}
+    x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    graph = ir.trace(fn, params, x[:1])
+    ops = [e.op for e in graph.eqns]
+    cuts = [ops.index("aten.view.default"), ops.index("aten.transpose.int"), ops.index("aten.transpose.int") + 1]
+    assert_parallel_equivalent(fn, params, x, schedule="zbv", stages=4, microbatches=2, cuts=cuts)
