@@ -1,10 +1,12 @@
 """Bootstrap: join the ranks started by mpirun, torchrun or plain python, and pick the device."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
 import socket
+import sys
 
 import attrs
 import torch
@@ -62,6 +64,19 @@ def _init_pg(*, store, rank: int, size: int, local: int, timeout: datetime.timed
     else:
         kwargs["store"] = store
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
+    atexit.register(_shutdown)
+
+
+def _shutdown() -> None:
+    """Tear down the process group fnpipe made while Python is still whole: gloo's worker threads
+    otherwise drop their last tensors during interpreter finalisation and abort the process."""
+    if getattr(sys, "last_value", None) is not None:
+        return  # the program died of an exception (maybe a dead peer): tearing down could wait on it
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 -- at exit a peer may be gone; nothing left to do
+            log.debug("destroy_process_group at exit: %s", exc)
 
 
 def init(timeout: float = 60.0) -> World:
