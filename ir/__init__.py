@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 from . import random
-from .autodiff import Part, StageAD, stage_autodiff
+from .autodiff import Part, StageAD, recomputable, stage_autodiff
 from .check import check
 from .compile import compile_graph, to_fx
 from .core import AbstractValue, Eqn, Graph, Literal, Var
 from .costs import EqnCost, eqn_cost, format_costs, graph_costs
 from .errors import IRError, TraceError
 from .evaluate import evaluate, interpret
+from .liveness import RunBytes, run_bytes
 from .printer import format_graph
 from .slicing import Stage, slice_graph, split
 from .trace import TensorSpec, trace
 
 __all__ = [
-    "AbstractValue", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "Part", "Stage", "StageAD", "TensorSpec",
+    "AbstractValue", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
     "TraceError", "Var", "check", "compile_graph", "eqn_cost", "evaluate", "format_costs", "format_graph",
-    "graph_costs", "interpret", "random", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
+    "graph_costs", "interpret", "random", "recomputable", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
 ]

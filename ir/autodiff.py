@@ -1,4 +1,5 @@
-"""Stage autodiff: forward, B (grads of activation inputs) and W (grads of params) as separate graphs.
+"""Stage autodiff: forward, B (grads of activation inputs) and W (grads of params) as separate graphs,
+and B + W fused into one backward for schedules that run them together.
 
 The joint `outputs, vjp(cotangents)` of a stage is traced once at ATen level; its equations are split by
 ancestry: F computes the outputs, B what the input grads need beyond F, W the rest. No equation runs
@@ -6,7 +7,7 @@ in both B and W; every value one part hands to a later one is an explicit slot.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import AbstractSet, Any, Sequence
 
 import attrs
 import torch
@@ -22,7 +23,8 @@ from .slicing import slice_graph
 
 @attrs.frozen
 class Part:
-    """One of F, B, W: a graph and where its inputs come from and its outputs go (slot numbers)."""
+    """One of F, B, W or BW (B and W fused): a graph and where its inputs come from and its outputs go
+    (slot numbers)."""
 
     graph: Graph
     in_slots: tuple[int, ...]
@@ -46,6 +48,7 @@ class StageAD:
     ct_slots: tuple[int | None, ...]
     grad_slots: tuple[int | None, ...]
     slot_avals: tuple[Any, ...]
+    backward: Part  # B and W as one program, in autograd's order: what B hands W dies where W reads it
 
     def saved_bytes(self) -> int:
         """Bytes F keeps for B and W beyond the stage's inputs and outputs (per microbatch)."""
@@ -86,6 +89,23 @@ def _trace_joint(g: Graph, diff_in: list[int], diff_out: list[int], device: str 
     return remove_mutation(attrs.evolve(jg, input_names=tuple(f"in{i}" for i in range(len(jg.inputs)))))
 
 
+def _own_grads(jg: Graph, n_outputs: int) -> Graph:
+    """The joint graph with every grad output a value of its own. Autodiff may return one value as the
+    grad of several inputs (`x + p` of equal shapes: both grads are the cotangent), or an input itself
+    (a cotangent passed through); each such grad after the first, and each that is an input, becomes an
+    alias (a view: no copy), so every grad has its own slot and a param's is added into its accumulator
+    while an activation's is sent on."""
+    outputs, extra, seen = list(jg.outputs), [], set(jg.inputs)
+    for k in range(n_outputs, len(outputs)):
+        v = outputs[k]
+        if isinstance(v, Var) and v in seen:
+            fresh = Var(v.aval)
+            extra.append(Eqn("aten.alias.default", (v,), (), (fresh,)))
+            outputs[k] = fresh
+        seen.add(outputs[k])
+    return attrs.evolve(jg, eqns=jg.eqns + tuple(extra), outputs=tuple(outputs)) if extra else jg
+
+
 def _ancestors(g: Graph, targets: Sequence[Any], exclude: set[int]) -> set[int]:
     prod = g.producers()
     seen: set[int] = set()
@@ -99,11 +119,15 @@ def _ancestors(g: Graph, targets: Sequence[Any], exclude: set[int]) -> set[int]:
     return seen
 
 
-CHEAP = frozenset({"aten.native_layer_norm.default"})  # memory-bound, recomputed from saved inputs
+# Memory-bound ops recomputed from saved inputs rather than saved: norms and copies. (Softmaxes are not:
+# an LM head's log-softmax over the vocabulary is as costly to redo as a matmul is to save.)
+CHEAP = frozenset({"aten.native_layer_norm.default", "aten.layer_norm.default",  # as traced and decomposed
+                   "aten.clone.default", "aten._to_copy.default"})
+CHAIN_DEPTH = 6  # how many cheap equations deep a recomputed value may reach back for its operands
 
 
 def recomputable(e: Eqn) -> bool:
-    """Cheap to redo in the backward instead of saving: views, pointwise ops, layer norm."""
+    """Cheap to redo in the backward instead of saving: views, pointwise ops, layer norms, copies."""
     op = resolve(e.op)
     return is_view(op) or torch.Tag.pointwise in op.tags or e.op in CHEAP
 
@@ -111,10 +135,11 @@ def recomputable(e: Eqn) -> bool:
 def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set[int], set[int]]:
     """F equations to recompute in B (`rb`) and in W (`rw`) instead of saving their outputs.
 
-    A cheap equation (view, pointwise, layer norm) is recomputed where its output is needed when every
-    operand is at hand there anyway (an input, a value that part computes, or a value saved for it), so
-    the saved bytes only fall. A value both B and W need is recomputed in B and handed to W, so no
-    equation runs in both B and W.
+    A value a part reads is recomputed there when a chain of at most CHAIN_DEPTH cheap equations (views,
+    pointwise, layer norms, copies) makes it from operands at hand anyway (an input, a value that
+    part computes, or a value saved for another reason), so the saved bytes only fall: `gelu(fc)` and
+    its view are redone from `fc`, which the gelu's backward keeps. A value both B and W need is
+    recomputed in B and handed to W, so no equation runs in both B and W.
     """
     prod, prim = g.producers(), set(g.inputs)
     rb: set[int] = set()
@@ -123,16 +148,38 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set
         saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw)
         grown = False
         for part, remat, other in ((b, rb, set()), (w, rw, rb)):
+            done = remat | other  # F equations this part recomputes or gets recomputed from B
+
+            def at_hand(x: Var) -> bool:
+                j = prod.get(x)
+                return x in prim or x in saved or j in part or j in done  # noqa: B023
+
             for v in _reads(g, part | remat):
-                j = prod.get(v)
-                if j is None or j not in f or j in remat or j in other or not recomputable(g.eqns[j]):
-                    continue
-                if all(x in prim or x in saved or prod.get(x) in part | remat | other for x in g.eqns[j].inputs):
-                    remat.add(j)
+                chain = _chain(g, prod, v, f, done, at_hand, CHAIN_DEPTH)
+                if chain:
+                    remat |= chain
+                    done |= chain
                     grown = True
         if not grown:
             break
     return rb, rw
+
+
+def _chain(g: Graph, prod: dict[Var, int], v: Any, f: set[int], done: set[int], at_hand: Any,
+           depth: int) -> set[int] | None:
+    """Cheap F equations that recompute `v` from values `at_hand`, or None if there is no such chain."""
+    j = prod.get(v)
+    if depth == 0 or j is None or j not in f or j in done or not recomputable(g.eqns[j]):
+        return None
+    chain = {j}
+    for x in g.eqns[j].inputs:
+        if at_hand(x):
+            continue
+        sub = _chain(g, prod, x, f, done, at_hand, depth - 1)
+        if sub is None:
+            return None
+        chain |= sub
+    return chain
 
 
 def _recompute_all(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set[int], set[int]]:
@@ -157,9 +204,36 @@ def _needs(g: Graph, part: set[int], outputs: Sequence[Any]) -> set[Var]:
     return _reads(g, part) | {v for v in outputs if isinstance(v, Var) and prod.get(v) not in part}
 
 
-def _part(g: Graph, idx: set[int], slot: dict[Var, int], outputs: list[Var]) -> Part:
+def _part(g: Graph, idx: set[int], slot: dict[Var, int], outputs: list[Var], redo: AbstractSet[int] = frozenset()
+          ) -> Part:
+    """Equations `idx` of the joint graph as a part; those in `redo` (recomputed forward work) run
+    where their results are first needed, not up front."""
     sub = slice_graph(g, idx, outputs=outputs)
+    sub = attrs.evolve(sub, eqns=_at_first_use(sub.eqns, {id(g.eqns[i]) for i in redo}))
     return Part(sub, tuple(slot[v] for v in sub.inputs), tuple(slot[v] for v in outputs))
+
+
+def _at_first_use(eqns: Sequence[Eqn], lazy: set[int]) -> tuple[Eqn, ...]:
+    """`eqns` with each equation whose id is in `lazy` moved down to just before its first reader (its
+    own lazy producers before it). The joint graph lists recomputed forward work first: left there, a
+    backward would hold every recomputed activation of the stage at once."""
+    prod = {v: e for e in eqns for v in e.out_vars}
+    out: list[Eqn] = []
+    done: set[int] = set()
+    for e in [*[e for e in eqns if id(e) not in lazy], *eqns]:  # lazy ones nobody reads go last
+        stack = [(e, False)]
+        while stack:
+            x, ready = stack.pop()
+            if id(x) in done:
+                continue
+            if ready:
+                done.add(id(x))
+                out.append(x)
+                continue
+            stack.append((x, True))
+            stack.extend((p, False) for v in reversed(x.inputs) if (p := prod.get(v)) is not None
+                         and id(p) in lazy and id(p) not in done)
+    return tuple(out)
 
 
 def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None = None,
@@ -168,6 +242,10 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None
     float inputs except those in `constant` (batch leaves), W the float params (the first
     `g.num_params` inputs). `device` overrides the graph's device for tracing.
 
+    `backward` is B and W fused, for schedules that run them back to back (BW): each weight grad is
+    computed right after the input grad it shares operands with, as eager autograd does, so the
+    values B would hand to W never pile up for the whole stage.
+
     `recompute=True` is activation recomputation: F keeps nothing but the stage's outputs, and B
     redoes the forward work that B and W need (from the stage's inputs) before differentiating.
     """
@@ -175,7 +253,7 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None
     skip = set(constant)
     diff_in = [i for i, v in enumerate(g.inputs) if _differentiable(v) and i not in skip]
     diff_out = [j for j, v in enumerate(g.outputs) if isinstance(v, Var) and _differentiable(v)]
-    jg = _trace_joint(g, diff_in, diff_out, device)
+    jg = _own_grads(_trace_joint(g, diff_in, diff_out, device), len(g.outputs))
     outs = list(jg.outputs[: len(g.outputs)])
     grads = list(jg.outputs[len(g.outputs):])
     act_grads = [x for i, x in zip(diff_in, grads) if i >= g.num_params]
@@ -197,8 +275,9 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None
     for v in [*out_vars, *saved_f, *stash_b, *[x for x in grads if isinstance(x, Var)]]:
         slot.setdefault(v, len(slot))
     fwd = _part(jg, f_idx, slot, list(dict.fromkeys(out_vars + saved_f)))
-    bwd = _part(jg, b_part, slot, list(dict.fromkeys(act_grads + stash_b)))
-    wgt = _part(jg, w_part, slot, param_grads)
+    bwd = _part(jg, b_part, slot, list(dict.fromkeys(act_grads + stash_b)), rb)
+    wgt = _part(jg, w_part, slot, param_grads, rw)
+    fused = _part(jg, b_part | w_part, slot, list(dict.fromkeys(act_grads + param_grads)), rb | rw)
     grad_slots: list[int | None] = [None] * n_in
     for i, x in zip(diff_in, grads):
         grad_slots[i] = slot[x]
@@ -209,4 +288,4 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None
     for v, s in slot.items():
         avals[s] = v.aval
     return StageAD(fwd, bwd, wgt, len(slot), tuple(slot[v] for v in outs), tuple(ct_slots),
-                   tuple(grad_slots), tuple(avals))
+                   tuple(grad_slots), tuple(avals), fused)

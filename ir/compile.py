@@ -13,51 +13,80 @@ from .core import Graph, Literal, Var
 from .printer import Namer
 from .purify import resolve
 
-_CACHE: "weakref.WeakKeyDictionary[Graph, Callable[..., tuple[Any, ...]]]" = weakref.WeakKeyDictionary()
+_CACHE: "weakref.WeakKeyDictionary[Graph, dict[tuple[int, ...], Callable[..., tuple[Any, ...]]]]" = \
+    weakref.WeakKeyDictionary()
 
 
-def to_fx(g: Graph) -> torch.fx.GraphModule:
-    """An fx GraphModule computing `g`; constants become module attributes."""
-    fg = torch.fx.Graph()
-    root = torch.nn.Module()
-    namer = Namer()
-    env: dict[Var, torch.fx.Node] = {}
-    consts = 0
+class _Builder:
+    """Builds the fx graph of an IR graph: values by variable, constants as module buffers, and the
+    in-place adds into accumulators right where the accumulated values are made."""
 
-    def arg(x: Any) -> Any:
-        nonlocal consts
+    def __init__(self) -> None:
+        self.fg, self.root = torch.fx.Graph(), torch.nn.Module()
+        self.env: dict[Var, torch.fx.Node] = {}
+        self.into: dict[Any, list[torch.fx.Node]] = {}  # value -> accumulators it is added into
+        self.consts = 0
+
+    def arg(self, x: Any) -> Any:
         if isinstance(x, Var):
-            return env[x]
+            return self.env[x]
         if isinstance(x, Literal):
             if not isinstance(x.value, torch.Tensor):
                 return x.value
-            name = f"_const{consts}"
-            consts += 1
-            root.register_buffer(name, x.value)
-            return fg.get_attr(name)
+            name = f"_const{self.consts}"
+            self.consts += 1
+            self.root.register_buffer(name, x.value)
+            return self.fg.get_attr(name)
         if isinstance(x, (list, tuple)):
-            return type(x)(arg(y) for y in x)
+            return type(x)(self.arg(y) for y in x)
         return x
 
+    def define(self, v: Var, node: torch.fx.Node) -> None:
+        self.env[v] = node
+        for acc in self.into.pop(v, ()):
+            self.fg.call_function(torch.ops.aten.add_.Tensor, (acc, node))
+
+    def eqn(self, e: Any) -> None:
+        node = self.fg.call_function(resolve(e.op), self.arg(e.args), {k: self.arg(v) for k, v in e.kwargs})
+        if not e.multi:
+            self.define(e.outputs[0], node)
+            return
+        for i, v in enumerate(e.outputs):
+            if v is not None:
+                self.define(v, self.fg.call_function(operator.getitem, (node, i)))
+
+
+def to_fx(g: Graph, accumulate: tuple[int, ...] = ()) -> torch.fx.GraphModule:
+    """An fx GraphModule computing `g`; constants become module attributes.
+
+    `accumulate` lists output positions that are added in place into accumulators instead of being
+    returned: the module takes one extra trailing argument per position (in that order) and returns
+    None there. Each add follows the equation that makes the value, so the value dies at once (eager
+    autograd's AccumulateGrad): a backward never holds a second copy of all its weight grads.
+    """
+    b, namer = _Builder(), Namer()
     for v in g.inputs:
         name = namer(v)  # `as`, `if`, `in` ... are printed names but not Python argument names
-        env[v] = fg.placeholder(name + "_" if keyword.iskeyword(name) else name)
+        b.env[v] = b.fg.placeholder(name + "_" if keyword.iskeyword(name) else name)
+    for j, k in enumerate(accumulate):
+        b.into.setdefault(g.outputs[k], []).append(b.fg.placeholder(f"_acc{j}"))
+    for v in [v for v in b.into if isinstance(v, Var) and v in b.env]:  # an input returned as is
+        b.define(v, b.env[v])
     for e in g.eqns:
-        node = fg.call_function(resolve(e.op), arg(e.args), {k: arg(v) for k, v in e.kwargs})
-        if e.multi:
-            for i, v in enumerate(e.outputs):
-                if v is not None:
-                    env[v] = fg.call_function(operator.getitem, (node, i))
-        else:
-            env[e.outputs[0]] = node
-    fg.output(tuple(arg(v) for v in g.outputs))
-    return torch.fx.GraphModule(root, fg)
+        b.eqn(e)
+    for v, accs in b.into.items():  # literal outputs
+        for acc in accs:
+            b.fg.call_function(torch.ops.aten.add_.Tensor, (acc, b.arg(v)))
+    skip = set(accumulate)
+    b.fg.output(tuple(None if k in skip else b.arg(v) for k, v in enumerate(g.outputs)))
+    return torch.fx.GraphModule(b.root, b.fg)
 
 
-def compile_graph(g: Graph) -> Callable[..., tuple[Any, ...]]:
-    """The compiled callable for `g` (cached per graph): `fn(*flat_inputs) -> tuple of outputs`."""
-    fn = _CACHE.get(g)
+def compile_graph(g: Graph, accumulate: tuple[int, ...] = ()) -> Callable[..., tuple[Any, ...]]:
+    """The compiled callable for `g` (cached per graph and `accumulate`): `fn(*flat_inputs) -> tuple of
+    outputs`; with `accumulate` (see `to_fx`), `fn(*flat_inputs, *accumulators)`."""
+    per_graph = _CACHE.setdefault(g, {})
+    fn = per_graph.get(accumulate)
     if fn is None:
-        fn = to_fx(g)
-        _CACHE[g] = fn
+        fn = per_graph[accumulate] = to_fx(g, accumulate)
     return fn

@@ -28,7 +28,8 @@ class EqnCost:
         return self.bytes_read + self.bytes_written
 
 
-def _base(op: str) -> str:
+def base_name(op: str) -> str:
+    """`aten.mm.default` -> `mm` (other namespaces' ops keep their full name)."""
     return op.split(".")[1] if op.startswith("aten.") else op
 
 
@@ -91,7 +92,7 @@ FLOP_RULES: dict[str, Callable[[Eqn], int]] = {
 def eqn_cost(e: Eqn) -> EqnCost:
     """FLOPs by op rule (matmul 2mnk, attention 4·L²·d per head, else about one per element) and bytes
     as each input read once and each output written once; view-like ops cost nothing."""
-    base = _base(e.op)
+    base = base_name(e.op)
     if base in FREE:
         return EqnCost(0, 0, 0)
     rule = FLOP_RULES.get(base, _elementwise_flops)

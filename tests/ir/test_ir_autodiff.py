@@ -38,6 +38,7 @@ def _check_no_recomputation(ad):
     assert _views_only(b & w), [e.op for e in b & w]
     redone = (f & b) | (f & w)
     assert all(recomputable(e) for e in redone), [e.op for e in redone if not recomputable(e)]
+    assert set(ad.backward.graph.eqns) == b | w  # BW fused: the same work, once
 
 
 def _check_slots(stage, ad):
@@ -106,3 +107,88 @@ def test_a_pointwise_result_is_recomputed_from_saved_operands_not_saved():
     ad = ir.stage_autodiff(g, constant=[2])
     assert ad.saved_bytes() == 8 * 32 * 4
     assert "aten.gelu.default" in [e.op for e in ad.backward_weight.graph.eqns]
+
+
+def test_a_chain_of_cheap_ops_is_recomputed_from_a_saved_operand():
+    """As in a transformer MLP, W reads `view(gelu(fc))` for the second weight's grad: the view and the
+    gelu are both redone from `fc` (which gelu's backward keeps), so F saves one [2, 8, 32] tensor."""
+    def mlp(p, x):
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(x, p["w1"]), approximate="tanh")
+        return torch.nn.functional.linear(h, p["w2"]).sum()
+
+    p = {"w1": torch.randn(32, 16), "w2": torch.randn(4, 32)}
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    ad = ir.stage_autodiff(ir.trace(mlp, p, x))
+    assert ad.saved_bytes() == 2 * 8 * 32 * 4
+    assert "aten.gelu.default" in [e.op for e in ad.backward_weight.graph.eqns]
+
+
+def test_the_fused_backward_does_b_and_w_work_once_and_matches_them():
+    """`backward` (BW) holds exactly B's and W's equations, reads only what F and the cotangents give,
+    and computes the same input and weight grads."""
+    def block(p, h):
+        h = torch.nn.functional.layer_norm(h, (8,), p["ln"], None)
+        return torch.tanh(torch.nn.functional.gelu(h @ p["w1"]) @ p["w2"]).square().mean()
+
+    gen = torch.Generator().manual_seed(0)
+    p = {"ln": torch.rand(8, generator=gen, dtype=torch.float64) + 0.5,
+         "w1": torch.randn(8, 16, generator=gen, dtype=torch.float64),
+         "w2": torch.randn(16, 8, generator=gen, dtype=torch.float64)}
+    h = torch.randn(4, 8, generator=gen, dtype=torch.float64)
+    ad = ir.stage_autodiff(ir.trace(block, p, h))
+    parts = (ad.backward_input, ad.backward_weight)
+    assert set(ad.backward.graph.eqns) == set(parts[0].graph.eqns) | set(parts[1].graph.eqns)
+    assert set(ad.backward.in_slots) <= set(range(4)) | set(ad.forward.out_slots) | {ad.ct_slots[0]}
+    slots = dict(enumerate([p["ln"], p["w1"], p["w2"], h]))
+    slots[ad.ct_slots[0]] = torch.ones((), dtype=torch.float64)
+    slots.update(zip(ad.forward.out_slots, ir.compile_graph(ad.forward.graph)(*[slots[i] for i in ad.forward.in_slots])))
+    fused = dict(zip(ad.backward.out_slots, ir.compile_graph(ad.backward.graph)(*[slots[i] for i in ad.backward.in_slots])))
+    for part in parts:
+        slots.update(zip(part.out_slots, ir.compile_graph(part.graph)(*[slots[i] for i in part.in_slots])))
+    ref = torch.func.grad(block, argnums=(0, 1))(p, h)
+    for i, want in enumerate([ref[0]["ln"], ref[0]["w1"], ref[0]["w2"], ref[1]]):
+        torch.testing.assert_close(fused[ad.grad_slots[i]], want, rtol=1e-12, atol=0)
+        torch.testing.assert_close(slots[ad.grad_slots[i]], want, rtol=1e-12, atol=0)
+
+
+def test_compiled_outputs_can_be_accumulated_in_place():
+    """`compile_graph(g, accumulate=...)`: those outputs are added into trailing accumulator arguments
+    (and returned as None); the others come back as usual."""
+    def f(a, b):
+        return a * b, a + b, (a - b).sum()
+
+    a, b = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    g = ir.trace(f, a, b)
+    acc0, acc2 = torch.ones(3, dtype=torch.float64), torch.full((), 2.0, dtype=torch.float64)
+    out = ir.compile_graph(g, (0, 2))(a, b, acc0, acc2)
+    assert out[0] is None and out[2] is None and torch.equal(out[1], a + b)
+    assert torch.equal(acc0, 1 + a * b) and torch.equal(acc2, 2 + (a - b).sum())
+    assert ir.compile_graph(g)(a, b)[0] is not None  # the plain variant is cached apart
+
+
+def test_recomputed_work_runs_where_it_is_first_needed():
+    """In a backward, each recomputed forward equation sits just before its first reader (with only other
+    recomputed equations between), so the backward holds one layer's recomputed activations at a time,
+    not every layer's: for 6 layers its peak is under two layers' worth of gelu outputs plus the grads."""
+    def mlp(p, x):
+        for layer in p:
+            x = x + torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, layer[0])),
+                                               layer[1])
+        return x.sum()
+
+    d, f, n = 16, 256, 6
+    p = [(torch.randn(f, d), torch.randn(d, f)) for _ in range(n)]
+    x = torch.randn(64, d, requires_grad=True)
+    ad = ir.stage_autodiff(ir.trace(mlp, p, x))
+    forward = set(ad.forward.graph.eqns)
+    for part in (ad.backward, ad.backward_weight):
+        eqns = part.graph.eqns
+        redone = [i for i, e in enumerate(eqns) if e in forward]
+        assert sum(eqns[i].op == "aten.gelu.default" for i in redone) == n
+        for i in redone:
+            outs = set(eqns[i].out_vars)
+            first = next(j for j in range(i + 1, len(eqns)) if outs & set(eqns[j].inputs))
+            assert all(eqns[k] in forward for k in range(i + 1, first)), (i, first)
+    gelu_out = 64 * f * 4
+    grads = sum(w.numel() * 4 for layer in p for w in layer)
+    assert ir.run_bytes(ad.backward.graph).peak < 2 * gelu_out + grads + 2 * 64 * f * 4

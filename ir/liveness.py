@@ -1,0 +1,75 @@
+"""Liveness of a graph's values as the compiled program runs it: the bytes it allocates, and their peak.
+
+The compiled program (`ir.compile_graph`) frees each value after its last use, as fx's generated code
+does. A view (or a metadata-only op such as `_unsafe_view`) allocates nothing and keeps its base's
+storage alive; storage is released when the last value on it dies. Outputs stay allocated; an output
+added in place into an accumulator (`accumulate`, see `ir.compile_graph`) dies right after its add. The
+graph's inputs belong to the caller and are not counted.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+from .core import Graph, Var
+from .costs import FREE, base_name
+from .purify import is_view, resolve
+
+ALIASING = FREE - {"lift_fresh_copy"}  # metadata-only ops (a copy of a constant allocates)
+
+
+@attrs.frozen
+class RunBytes:
+    """`peak`: the most bytes the run holds beyond its inputs (outputs made so far included);
+    `outputs`: bytes still held at the end (outputs not on an input's storage, accumulated ones excluded);
+    `transient`: the peak of values made and freed inside the run (outputs never counted)."""
+
+    peak: int
+    outputs: int
+    transient: int
+
+
+def allocates(op: str) -> bool:
+    """Whether an equation's outputs get fresh storage (not views or metadata-only ops of an input)."""
+    return not (base_name(op) in ALIASING or is_view(resolve(op)))
+
+
+def run_bytes(g: Graph, accumulate: Sequence[int] = ()) -> RunBytes:
+    """Walk `g` in order with fx's frees (see the module docstring) and report its bytes."""
+    added = set(accumulate)
+    held = {v for k, v in enumerate(g.outputs) if isinstance(v, Var) and k not in added}
+    last = {v: i for i, e in enumerate(g.eqns) for v in e.inputs}  # an accumulated output dies after its add
+    storage: dict[Var, Var] = {v: v for v in g.inputs}  # value -> the value that owns its storage
+    users: dict[Var, int] = {v: 1 for v in g.inputs}   # owner -> live values on it (inputs pinned)
+    size: dict[Var, int] = {}                           # owner -> bytes, for storage this run made
+    kept: set[Var] = set()                              # owners of outputs' storage
+    live = peak = kept_live = transient = 0
+
+    def release(owner: Var) -> None:
+        nonlocal live, kept_live
+        users[owner] -= 1
+        if users[owner] == 0 and owner in size:
+            live -= size[owner]
+            kept_live -= size[owner] if owner in kept else 0
+
+    for i, e in enumerate(g.eqns):
+        first = next(iter(e.inputs), None)
+        for v in e.out_vars:
+            owner = v if allocates(e.op) or first is None else storage[first]
+            storage[v] = owner
+            users[owner] = users.get(owner, 0) + 1
+            if owner is v:
+                size[v] = v.aval.nbytes
+                live += size[v]
+            if v in held and owner in size and owner not in kept:
+                kept.add(owner)
+                kept_live += size[owner]
+        peak, transient = max(peak, live), max(transient, live - kept_live)
+        for v in dict.fromkeys(e.inputs):
+            if last.get(v) == i and v not in held:
+                release(storage[v])
+        for v in e.out_vars:  # made and never read nor returned
+            if v not in last and v not in held:
+                release(storage[v])
+    return RunBytes(peak, kept_live, transient)

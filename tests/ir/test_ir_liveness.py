@@ -1,0 +1,70 @@
+"""ir.run_bytes: the bytes a compiled graph holds while it runs, checked by hand and against the CPU allocator."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ir
+from tests.cpu_allocator import allocator_peak
+
+F32 = 4
+
+
+def _graph(fn, *args):  # type: ignore[no-untyped-def]
+    return ir.trace(fn, *args)
+
+
+def test_values_die_at_last_use_and_outputs_stay() -> None:
+    def fn(p, x):  # type: ignore[no-untyped-def]
+        h = torch.relu(x @ p)   # [128, 256]
+        return (h * 2).sum(), h  # h is returned: it stays
+
+    g = _graph(fn, torch.randn(64, 256), torch.randn(128, 64))
+    run = ir.run_bytes(g)
+    big = 128 * 256 * F32
+    # x@p (dies in relu), relu = h (kept), h*2 (dies in the sum, after the sum's scalar is made)
+    assert run.peak == 2 * big + F32
+    assert run.outputs == big + F32  # h and the scalar sum
+    assert run.transient == big  # x@p or h*2, never both: h is an output and not counted
+
+
+def test_a_view_keeps_its_base_alive() -> None:
+    """`t()` of a product is a view: the product's storage lives until the view's last use."""
+    def fn(p, x):  # type: ignore[no-untyped-def]
+        a = x @ p            # [128, 256]
+        b = a.t()            # view of a
+        c = torch.relu(p)    # [64, 256], while b still holds a
+        return (c.sum() + b.sum())
+
+    g = _graph(fn, torch.randn(64, 256), torch.randn(128, 64))
+    assert ir.run_bytes(g).peak == (128 * 256 + 64 * 256) * F32 + F32  # a, c and c.sum(), at once
+
+
+def test_an_accumulated_output_dies_after_its_add() -> None:
+    def fn(p, x):  # type: ignore[no-untyped-def]
+        return x @ p, (x @ p).sum()
+
+    g = _graph(fn, torch.randn(64, 256), torch.randn(128, 64))
+    kept, added = ir.run_bytes(g), ir.run_bytes(g, accumulate=(0,))
+    assert kept.outputs == 128 * 256 * F32 + F32
+    assert added.outputs == F32
+
+
+@pytest.mark.parametrize("accumulate", [(), (0,)])
+def test_the_peak_is_what_the_cpu_allocator_sees(accumulate: tuple[int, ...]) -> None:
+    """The compiled program on real tensors: the allocator's peak is run_bytes' peak, to the byte (small
+    scalars aside)."""
+    def fn(p, x):  # type: ignore[no-untyped-def]
+        h = torch.nn.functional.gelu(x @ p["w1"])
+        y = torch.nn.functional.layer_norm(h @ p["w2"], (64,))
+        return h.t() @ y, (y * y).mean()
+
+    p = {"w1": torch.randn(64, 512), "w2": torch.randn(512, 64)}
+    x = torch.randn(256, 64)
+    g = _graph(fn, p, x)
+    run = ir.compile_graph(g, accumulate)
+    args = [p["w1"], p["w2"], x] + [torch.zeros(512, 64) for _ in accumulate]
+    run(*args)  # warm-up outside the window
+    predicted = ir.run_bytes(g, accumulate).peak
+    measured = allocator_peak(lambda: run(*args))
+    assert predicted == pytest.approx(measured, rel=0.01, abs=1024), (predicted, measured)
