@@ -4,6 +4,7 @@ from __future__ import annotations
 from . import checkpoint, logs, optim, plancache, precision, progress, report  # logs applies ENGINE_LOG_LEVEL*
 from .checkpoint import CheckpointError
 from .errors import CommTimeoutError, EngineError, PlanError, RuntimeMismatchError, SplitError
+from .footprint import Footprint, footprint
 from .instructions import CommOp, Instr, Program
 from .launch import World, init
 from .module import ModuleError, functionalize
@@ -14,8 +15,8 @@ from .plancache import PlanCacheError
 from .step import Step, parallelize
 
 __all__ = [
-    "CheckpointError", "CommOp", "CommTimeoutError", "EngineError", "Instr", "ModuleError", "Plan", "PlanCacheError",
+    "CheckpointError", "CommOp", "CommTimeoutError", "EngineError", "Footprint", "Instr", "ModuleError", "Plan", "PlanCacheError",
     "PlanError", "Program", "RuntimeMismatchError", "SplitError", "StagePlan", "Step", "World", "checkpoint",
-    "functionalize", "init", "logs", "mixed_precision", "optim", "parallelize", "plan", "plancache", "precision",
+    "footprint", "functionalize", "init", "logs", "mixed_precision", "optim", "parallelize", "plan", "plancache", "precision",
     "progress", "report",
 ]

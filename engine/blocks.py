@@ -127,10 +127,16 @@ def _sums(values: Sequence[float], bounds: Sequence[int]) -> tuple[float, ...]:
     return tuple(prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:]))
 
 
+def _block_params(reads: Sequence[frozenset[int]], bounds: Sequence[int]) -> tuple[frozenset[int], ...]:
+    """The params each block reads (graph input indices)."""
+    return tuple(frozenset().union(*reads[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
 def _saved_estimate(g: ir.Graph, times: Sequence[float]) -> list[int]:
-    """Output bytes of each non-view equation with a floating result: what autodiff could keep."""
-    return [sum(v.aval.nbytes for v in e.out_vars if v.aval.dtype.is_floating_point) if t else 0
-            for e, t in zip(g.eqns, times)]
+    """Output bytes of each costly equation with a floating result that stage autodiff would not
+    recompute (views, pointwise ops, layer norms and copies are redone in the backward)."""
+    return [sum(v.aval.nbytes for v in e.out_vars if v.aval.dtype.is_floating_point)
+            if t and not ir.recomputable(e) else 0 for e, t in zip(g.eqns, times)]
 
 
 def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: int = 1,
@@ -153,10 +159,11 @@ def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: in
         bounds=tuple(bounds),
         forward=_sums(times, bounds),
         backward_input=_sums(b_times, bounds),
-        backward_weight=_sums(w_times, bounds),
+        backward_weight=tuple(w + model.params_accumulate_time(g, ps) for w, ps in
+                              zip(_sums(w_times, bounds), _block_params(reads, bounds))),
         flops=tuple(int(x) for x in _sums([ir.eqn_cost(e).flops for e in g.eqns], bounds)),
         saved=tuple(int(x) for x in _sums(_saved_estimate(g, times), bounds)),
-        params=tuple(frozenset().union(*reads[a:b]) for a, b in zip(bounds, bounds[1:])),
+        params=_block_params(reads, bounds),
         param_bytes=tuple(v.aval.nbytes for v in g.params),
         cut_bytes=tuple(0 if p in (0, n) else cross[p] for p in bounds),
         names=tuple(g.input_names[: g.num_params]),

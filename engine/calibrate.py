@@ -2,7 +2,9 @@
 
 Each distinct signature (op, input shapes and dtypes, constant arguments) runs once on random tensors
 of its shapes (integers are zeros, so indices are valid); the median of a few runs is kept. A model of
-N identical blocks measures one block's ops, not N.
+N identical blocks measures one block's ops, not N. Then the model's whole forward and backward
+programs run once more, timed, and the table keeps how much longer they took than their ops' sum
+(`scale`): what ops timed alone miss, the gaps between launches and operands no longer in cache.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -39,20 +41,28 @@ def signature(e: ir.Eqn) -> str:
     return hashlib.sha1(f"{e.op}|{args}|{kwargs}".encode()).hexdigest()[:20]
 
 
+def accumulate_signature(aval: ir.AbstractValue) -> str:
+    """Key of the runtime's `acc.add_(grad)` for a weight grad of this shape and dtype (not an equation of
+    any graph: the compiled backward adds each weight grad into its accumulator as it is made)."""
+    return hashlib.sha1(f"accumulate|{aval.shape}|{aval.dtype}".encode()).hexdigest()[:20]
+
+
 @attrs.frozen
 class Calibration:
-    """Measured seconds by op signature, for one device."""
+    """Measured seconds by op signature, for one device; `scale` is how much longer whole programs run
+    than the sum of their ops timed alone (measured by `program_scale`; 1 until then)."""
 
     device: str
     times: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
+    scale: float = 1.0
 
     def to_json(self) -> str:
-        return json.dumps({"device": self.device, "times": dict(sorted(self.times.items()))})
+        return json.dumps({"device": self.device, "times": dict(sorted(self.times.items())), "scale": self.scale})
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
         d = json.loads(text)
-        return cls(d["device"], {k: float(v) for k, v in d["times"].items()})
+        return cls(d["device"], {k: float(v) for k, v in d["times"].items()}, float(d.get("scale", 1.0)))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -77,18 +87,35 @@ def _sync(device: torch.device) -> None:
 
 
 def time_eqn(g: ir.Graph, index: int, device: torch.device, *, repeats: int = 5) -> float:
-    """Median seconds of equation `index` of `g` on `device`, on random inputs of its shapes."""
+    """Seconds of equation `index` of `g` on `device`, on random inputs of its shapes, as the runtime
+    runs it: compiled, launched back to back with no sync in between (a stage program syncs only at its
+    transfers), so a small op costs its launch, not a launch plus a round trip to the device. The median
+    of three batches of `repeats` runs, each divided by `repeats`."""
     sub = ir.slice_graph(g, [index])
+    fn = ir.compile_graph(sub)
     inputs = [_random_input(v, device) for v in sub.inputs]
-    ir.interpret(sub, inputs)  # warm-up: first-call allocation and kernel selection
-    runs = []
-    for _ in range(repeats):
+    return _seconds(lambda: fn(*inputs), device, repeats)
+
+
+def _seconds(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Seconds per call of `run`: once to warm up (first-call allocation and kernel selection), then the
+    median of three batches of `repeats` calls back to back, each divided by `repeats`."""
+    run()
+    batches = []
+    for _ in range(3):
         _sync(device)
         start = time.perf_counter()
-        ir.interpret(sub, inputs)
+        for _ in range(repeats):
+            run()
         _sync(device)
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+        batches.append((time.perf_counter() - start) / repeats)
+    return statistics.median(batches)
+
+
+def _costly(e: ir.Eqn) -> bool:
+    """Whether an equation costs anything (views and other metadata-only ops are free, not timed)."""
+    cost = ir.eqn_cost(e)
+    return bool(cost.flops or cost.bytes)
 
 
 def calibrate(g: ir.Graph, device: str | torch.device = "cuda", *, repeats: int = 5,
@@ -98,24 +125,91 @@ def calibrate(g: ir.Graph, device: str | torch.device = "cuda", *, repeats: int 
     dev = torch.device(device)
     times = dict(calibration.times) if calibration is not None else {}
     for i, e in enumerate(g.eqns):
-        cost = ir.eqn_cost(e)
         key = signature(e)
-        if key in times or (cost.flops == 0 and cost.bytes == 0):
+        if key in times or not _costly(e):
             continue
         try:
             times[key] = time_eqn(g, i, dev, repeats=repeats)
         except RuntimeError as err:
             log.debug("not calibrated: %s on random inputs failed: %s", e.op, err)
-    return Calibration(calibration.device if calibration is not None else str(dev), times)
+    if calibration is None:
+        return Calibration(str(dev), times)
+    return attrs.evolve(calibration, times=times)
+
+
+def time_accumulate(aval: ir.AbstractValue, device: torch.device, *, repeats: int = 5) -> float:
+    """Seconds of `acc.add_(grad)` for a weight grad of `aval`, timed as `time_eqn` times an equation."""
+    acc, grad = (_random_input(ir.Var(aval), device) for _ in range(2))
+    return _seconds(lambda: acc.add_(grad), device, repeats)
 
 
 def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repeats: int = 5,
-                       calibration: Calibration | None = None) -> Calibration:
+                       calibration: Calibration | None = None, inputs: Sequence[torch.Tensor] | None = None
+                       ) -> Calibration:
     """Calibrate every op a training step of model graph `g` runs: its own equations (what the splitter
-    estimates from) and the forward, B and W graphs that stage autodiff makes of it."""
+    estimates from), the forward, B and W graphs that stage autodiff makes of it, and each weight grad's
+    accumulation. Given the step's real `inputs` (params then one microbatch, as `g.inputs`), also the
+    scale of whole programs over their ops (`program_scale`), measured again whenever ops were timed (a
+    new microbatch size: the latest measurement holds for the table); otherwise the table's scale stands."""
     dev = torch.device(device)
     ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev))
     cal = calibrate(g, dev, repeats=repeats, calibration=calibration)
     for part in (ad.forward, ad.backward_input, ad.backward_weight):
         cal = calibrate(part.graph, dev, repeats=repeats, calibration=cal)
-    return cal
+    times = dict(cal.times)
+    for v in g.params:
+        key = accumulate_signature(v.aval)
+        if key not in times and v.aval.dtype.is_floating_point:
+            times[key] = time_accumulate(v.aval, dev, repeats=repeats)
+    cal = attrs.evolve(cal, times=times)
+    measured = calibration is not None and cal.times == calibration.times and calibration.scale != 1.0
+    if inputs is None or measured:
+        return cal  # nothing real to run, or nothing new since the scale was measured: it stands
+    return attrs.evolve(cal, scale=program_scale(ad, g, dev, cal, inputs, repeats=repeats))
+
+
+def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibration,
+                  inputs: Sequence[torch.Tensor], *, repeats: int = 5) -> float:
+    """Measured seconds of model `g`'s forward and fused backward programs (`ad`) on the step's real
+    params and microbatch (`inputs`), run as the runtime runs them (compiled, one after the other, weight
+    grads added into accumulators), over their calibrated ops' and accumulations' sum. Ops timed alone,
+    each on the same random inputs again and again, miss what a program pays between them (launch gaps,
+    operands no longer in cache, the speed of real data); the cost model multiplies by this. 1.0 (logged)
+    when the programs cannot run here (too large for one device) or some op could not be timed alone."""
+    from .runtime import stand_in
+
+    if len(inputs) != len(g.inputs):
+        log.warning("program scale not measured: %d inputs for a graph of %d", len(inputs), len(g.inputs))
+        return 1.0
+    fwd, bwd = ad.forward, ad.backward
+    param_grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
+    acc = tuple(k for k, slot in enumerate(bwd.out_slots) if slot in param_grads)
+    keys = [signature(e) for part in (fwd, bwd) for e in part.graph.eqns if _costly(e)]
+    keys += [accumulate_signature(g.inputs[param_grads[bwd.out_slots[k]]].aval) for k in acc]
+    missing = [k for k in keys if k not in cal.times]
+    if missing:  # their roofline times are not what the scale would correct
+        log.warning("program scale not measured: %d of %d ops could not be timed alone", len(missing), len(keys))
+        return 1.0
+    predicted = sum(cal.times[k] for k in keys)
+    if predicted <= 0:
+        return 1.0
+    try:
+        slots = {i: stand_in(a, device) for i, a in enumerate(ad.slot_avals) if a is not None}
+        slots.update((i, x.to(device)) for i, x in enumerate(inputs))
+        run_f, run_b = ir.compile_graph(fwd.graph), ir.compile_graph(bwd.graph, acc)
+        accs = [torch.zeros_like(slots[param_grads[bwd.out_slots[k]]]) for k in acc]
+
+        def once() -> None:
+            slots.update(zip(fwd.out_slots, run_f(*[slots[i] for i in fwd.in_slots])))
+            run_b(*[slots[i] for i in bwd.in_slots], *accs)
+
+        once()  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            once()
+        _sync(device)
+    except Exception as err:  # noqa: BLE001 -- e.g. out of memory: the op times are used as they are
+        log.warning("program scale not measured (op times used as they are): %s: %s", type(err).__name__, err)
+        return 1.0
+    return (time.perf_counter() - start) / repeats / predicted

@@ -2,7 +2,9 @@
 
 An equation takes `launch + max(flops / achievable FLOP/s, bytes / achievable bandwidth)` with FLOPs
 and bytes from `ir.eqn_cost`; view-like equations are free. Where a calibration table holds the op's
-signature (op, shapes, dtypes, constant args), the measured time wins. Before stage autodiff exists
+signature (op, shapes, dtypes, constant args), the measured time wins, times the table's program scale
+(how much longer whole programs ran than their ops timed alone). Each weight grad is added into
+its accumulator once per microbatch (`accumulate_time`), charged to W. Before stage autodiff exists
 for a stage, its backward is estimated per forward equation: a matrix op costs one forward per matrix
 operand (2.5 forwards for attention), charged to B (input grads) when the operand depends on the batch and
 to W (weight grads) when it derives from parameters alone; any other op costs one forward, in B unless
@@ -17,8 +19,9 @@ import attrs
 import torch
 
 import ir
+from ir.costs import base_name
 
-from .calibrate import Calibration, signature
+from .calibrate import Calibration, accumulate_signature, signature
 from .devices import DeviceProfile, LinkProfile
 
 ATTENTION_OPS = frozenset({
@@ -31,12 +34,6 @@ MATRIX_OPS = frozenset({
     "conv1d", "conv2d", "conv3d", "convolution_backward",
 }) | ATTENTION_OPS | frozenset(f"{op}_backward" for op in ATTENTION_OPS)
 BACKWARD_FACTOR = dict.fromkeys(ATTENTION_OPS, 2.5)  # forwards per differentiable input; default 1
-
-
-def base_name(op: str) -> str:
-    """`aten.mm.default` -> `mm`."""
-    parts = op.split(".")
-    return parts[1] if len(parts) > 1 else op
 
 
 def eqn_dtype(e: ir.Eqn) -> torch.dtype:
@@ -63,9 +60,22 @@ class CostModel:
         if self.calibration is not None:
             measured = self.calibration.times.get(signature(e))
             if measured is not None:
-                return measured
+                return measured * self.calibration.scale
         rate = self.device.flops_for(eqn_dtype(e), base_name(e.op) in MATRIX_OPS)
         return self.device.launch_overhead + max(cost.flops / rate, cost.bytes / self.device.bandwidth)
+
+    def accumulate_time(self, aval: ir.AbstractValue) -> float:
+        """Seconds of the runtime's `acc.add_(grad)` for one weight grad (read both, write one)."""
+        if self.calibration is not None:
+            measured = self.calibration.times.get(accumulate_signature(aval))
+            if measured is not None:
+                return measured * self.calibration.scale
+        return self.device.launch_overhead + 3 * aval.nbytes / self.device.bandwidth
+
+    def params_accumulate_time(self, g: ir.Graph, params: Sequence[int]) -> float:
+        """Seconds to accumulate the weight grads of graph params `params` (float ones) once."""
+        return sum(self.accumulate_time(g.inputs[p].aval) for p in params
+                   if g.inputs[p].aval.dtype.is_floating_point)
 
     def eqn_times(self, g: ir.Graph) -> list[float]:
         return [self.eqn_time(e) for e in g.eqns]

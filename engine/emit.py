@@ -38,6 +38,13 @@ class StageInfo:
         """Indices j of acts_out that receive a cotangent (float activations)."""
         return [j for j in range(len(self.stage.acts_out)) if self.ad.ct_slots[j] is not None]
 
+    def recv_aval(self, what: str, k: int) -> ir.AbstractValue:
+        """Shape and dtype of the k-th buffer that a receive of `what` ("act" or "grad") fills."""
+        g = self.stage.graph
+        if what == "act":
+            return g.inputs[self.act_slot(k)].aval
+        return g.outputs[self.ct_outs()[k]].aval
+
 
 class _Emitter:
     """Walks one rank's lowered actions, naming buffers and tracking which ref holds each slot."""
@@ -93,6 +100,23 @@ class _Emitter:
             self.out.append(Instr("add_loss", s, mb, (env[info.ad.out_slots[-1]],)))
 
     def backward_input(self, s: int, mb: int) -> None:
+        self._backward("backward_input", self.infos[s].ad.backward_input, s, mb)
+
+    def backward_weight(self, s: int, mb: int) -> None:
+        self.compute("backward_weight", self.infos[s].ad.backward_weight, s, mb, self._grad_refs(s))
+
+    def backward(self, s: int, mb: int) -> None:
+        """B and W back to back (BW): one fused program, so what B hands W is never held for the whole stage."""
+        self._backward("backward", self.infos[s].ad.backward, s, mb, self._grad_refs(s))
+
+    def _grad_refs(self, s: int) -> dict[int, str]:
+        """Param grad slots -> the accumulated grads `g<leaf>` they add into."""
+        info = self.infos[s]
+        return {info.ad.grad_slots[i]: f"g{pid}" for i, pid in enumerate(info.stage.param_ids)
+                if info.ad.grad_slots[i] is not None}
+
+    def _backward(self, kind: str, part: ir.Part, s: int, mb: int, outs: dict[int, str] | None = None) -> None:
+        """Seed the loss grad (last stage) or take the cotangents, run `part`, hand input grads on."""
         info, env = self.infos[s], self.env(s, mb)
         if info.stage.is_last:
             self.flush()
@@ -101,20 +125,10 @@ class _Emitter:
             self.out.append(Instr("loss_grad", s, mb, (), (seed,)))
         for j, ref in zip(info.ct_outs(), self.cts.pop((s, mb), [])):
             env[info.ad.ct_slots[j]] = ref
-        self.compute("backward_input", info.ad.backward_input, s, mb)
+        self.compute(kind, part, s, mb, outs)
         grads = [env[info.ad.grad_slots[info.act_slot(k)]] for k in info.grad_acts()]
         if s > 0 and self.table.rank_of(s - 1) == self.rank:
             self.cts[(s - 1, mb)] = grads
-
-    def backward_weight(self, s: int, mb: int) -> None:
-        info = self.infos[s]
-        accum = {info.ad.grad_slots[i]: f"g{pid}" for i, pid in enumerate(info.stage.param_ids)
-                 if info.ad.grad_slots[i] is not None}
-        self.compute("backward_weight", info.ad.backward_weight, s, mb, accum)
-
-    def backward(self, s: int, mb: int) -> None:
-        self.backward_input(s, mb)
-        self.backward_weight(s, mb)
 
     def send_f(self, s: int, mb: int) -> None:
         env, info = self.env(s, mb), self.infos[s]

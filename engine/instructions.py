@@ -11,7 +11,8 @@ from typing import Any
 
 import attrs
 
-COMPUTE = ("forward", "backward_input", "backward_weight")
+COMPUTE = ("forward", "backward_input", "backward_weight", "backward")
+SHORT = {"forward": "F", "backward_input": "B", "backward_weight": "W", "backward": "BW"}  # as schedule actions
 
 
 def format_refs(refs: tuple[str, ...]) -> str:
@@ -60,6 +61,10 @@ class Instr:
     writes: tuple[str, ...] = ()
     comm: tuple[CommOp, ...] = ()
     group: tuple[int, ...] = ()
+
+    def accumulated(self) -> tuple[int, ...]:
+        """Positions of this compute's outputs that add into grad accumulators (`g<leaf>` refs)."""
+        return tuple(k for k, ref in enumerate(self.writes) if ref[0] == "g")
 
     def __str__(self) -> str:
         if self.kind == "comm":

@@ -20,12 +20,19 @@ BACKWARD_KINDS = ("B", "BW", "W")
 
 @attrs.frozen
 class StageMemory:
-    """What one stage keeps: bytes for the whole step, per microbatch from F to its last backward,
-    and per microbatch from B to W (the input grads W still reads, when the schedule splits them)."""
+    """What one stage keeps: bytes for the whole step; per microbatch from F to its backward; and, when
+    the schedule splits B and W, per microbatch from B to W instead (`after_b`: what W still reads of
+    F's saved values and the stage input, plus what B hands it; None: all of F's plus `b_to_w`)."""
 
     static: float
     per_microbatch: float
     b_to_w: float = 0.0
+    after_b: float | None = None
+    workspace: float = 0.0  # temporaries of the one F, B or W running: a rank counts its largest stage's
+
+    @property
+    def between_b_and_w(self) -> float:
+        return self.per_microbatch + self.b_to_w if self.after_b is None else self.after_b
 
 
 @attrs.frozen
@@ -36,18 +43,18 @@ class MemoryModel:
     margin: float = 0.10
 
     def stage(self, *, param_bytes: float, saved_bytes: float, recv_bytes: float = 0, send_bytes: float = 0,
-              b_to_w_bytes: float = 0, workspace_bytes: float = 0) -> StageMemory:
+              b_to_w_bytes: float = 0, workspace_bytes: float = 0, after_b_bytes: float | None = None) -> StageMemory:
         """A stage's needs: weights, grads, optimizer state, comm buffers and the temporaries of one F, B or W
-        at a time; per microbatch, what it saved and received."""
-        static = param_bytes * (2 + self.optimizer_factor) + 2 * (recv_bytes + send_bytes) + workspace_bytes
-        return StageMemory(static, saved_bytes + recv_bytes, b_to_w_bytes)
+        at a time; per microbatch, what it saved and received (and from B to W, `after_b_bytes`)."""
+        static = param_bytes * (2 + self.optimizer_factor) + 2 * (recv_bytes + send_bytes)
+        return StageMemory(static, saved_bytes + recv_bytes, b_to_w_bytes, after_b_bytes, workspace_bytes)
 
     def peak(self, memory: StageMemory, live: int) -> float:
         """A stage's peak bytes with `live` microbatches in flight (B/W split ignored), margin included."""
-        return (memory.static + live * memory.per_microbatch) * (1 + self.margin)
+        return (memory.static + memory.workspace + live * memory.per_microbatch) * (1 + self.margin)
 
 
-Live = dict[int, tuple[int, int]]  # stage -> (microbatches past F, microbatches between B and W)
+Live = dict[int, tuple[int, int, int]]  # stage -> (microbatches past F, of them between B and W, in a B now)
 
 
 def _closing_kind(row: Sequence[schedules.Action]) -> dict[int, str]:
@@ -59,22 +66,25 @@ def _closing_kind(row: Sequence[schedules.Action]) -> dict[int, str]:
 
 
 def live_trace(row: Sequence[schedules.Action]) -> list[Live]:
-    """Per stage, microbatches in flight (and those between B and W) after each compute action of a row."""
+    """Per stage, microbatches in flight (those between B and W, and one inside a B) after each compute
+    action of a row, and while each B of a split B/W runs (its hand-over to W is made then, before B's
+    own frees)."""
     closing = _closing_kind(row)
     live: Live = {}
     trace = []
     for a in row:
         if not a.is_compute:
             continue
-        n, bw = live.get(a.stage, (0, 0))
+        n, bw, _ = live.get(a.stage, (0, 0, 0))
         end = closing.get(a.stage)
         if a.kind == "F":
             n += 1
         elif a.kind == end:
             n, bw = n - 1, bw - (a.kind == "W")
         elif a.kind == "B" and end == "W":
+            trace.append({**live, a.stage: (n, bw, 1)})
             bw += 1
-        live[a.stage] = (n, bw)
+        live[a.stage] = (n, bw, 0)
         trace.append(dict(live))
     return trace
 
@@ -84,14 +94,14 @@ def peak_live(table: schedules.Table) -> tuple[int, ...]:
     peaks = [0] * table.num_stages
     for row in table.rows:
         for live in live_trace(row):
-            for s, (n, _) in live.items():
+            for s, (n, _, _) in live.items():
                 peaks[s] = max(peaks[s], n)
     return tuple(peaks)
 
 
 def _bytes(live: Live, stages: Sequence[StageMemory], only: int | None = None) -> float:
-    return sum(n * stages[s].per_microbatch + bw * stages[s].b_to_w
-               for s, (n, bw) in live.items() if only is None or s == only)
+    return sum((n - bw) * stages[s].per_microbatch + bw * stages[s].between_b_and_w + b * stages[s].b_to_w
+               for s, (n, bw, b) in live.items() if only is None or s == only)
 
 
 def stage_peaks(table: schedules.Table, stages: Sequence[StageMemory], model: MemoryModel) -> tuple[float, ...]:
@@ -101,17 +111,24 @@ def stage_peaks(table: schedules.Table, stages: Sequence[StageMemory], model: Me
         for live in live_trace(row):
             for s in live:
                 dynamic[s] = max(dynamic[s], _bytes(live, stages, s))
-    return tuple((m.static + d) * (1 + model.margin) for m, d in zip(stages, dynamic))
+    return tuple((m.static + m.workspace + d) * (1 + model.margin) for m, d in zip(stages, dynamic))
 
 
 def rank_peaks(table: schedules.Table, stages: Sequence[StageMemory], model: MemoryModel) -> tuple[float, ...]:
     """Peak bytes of each rank: its stages' static bytes plus the largest in-flight sum, margin included."""
     peaks = []
     for rank, row in enumerate(table.rows):
-        static = sum(stages[s].static for s in table.stages_of(rank))
+        static = rank_static(table, stages, rank)
         dynamic = max((_bytes(live, stages) for live in live_trace(row)), default=0.0)
         peaks.append((static + dynamic) * (1 + model.margin))
     return tuple(peaks)
+
+
+def rank_static(table: schedules.Table, stages: Sequence[StageMemory], rank: int) -> float:
+    """Bytes a rank holds whatever the microbatches do: its stages' static bytes, and the workspace of
+    its largest stage (one program runs at a time)."""
+    mine = table.stages_of(rank)
+    return sum(stages[s].static for s in mine) + max((stages[s].workspace for s in mine), default=0.0)
 
 
 def gib(nbytes: float) -> str:

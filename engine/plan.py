@@ -62,6 +62,8 @@ class Plan:
     microbatch_size: int = 0
     num_eqns: int = 0
     allreduce_time: float = 0.0
+    # per pipeline position: the memory model's peak that the split was checked against (optimizer state and
+    # its margin included); the bytes a step holds are replayed from the programs by `Step.memory()`
     rank_memory: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     # per stage: F keeps only the stage's outputs and B redoes the forward (activation recomputation)
     recompute: tuple[bool, ...] = attrs.field(
@@ -126,7 +128,7 @@ def format_plan(plan: Plan) -> str:
         f"{plan.world_size} ranks; {plan.microbatches} microbatches of {plan.microbatch_size}",
         f"predicted step {plan.predicted_step_time * 1e3:.2f} ms (dp all-reduce {plan.allreduce_time * 1e3:.2f} ms), "
         f"bubble {plan.bubble_fraction:.1%}",
-        f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; peak GB per rank {ranks}",
+        f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; planned peak GB per rank {ranks}",
     ]
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")

@@ -34,7 +34,7 @@ from .plan import Plan, StagePlan
 from .progress import track
 from .split import BlockCosts, Partition
 from .stagecost import (RecomputeCosts, StageCost, estimate, exact, exact_blocks, recompute_mode,
-                        schedule_costs, split_recompute)
+                        schedule_costs, split_recompute, splits_bw)
 
 log = logging.getLogger("engine.plan")
 split_log = logging.getLogger("engine.split")
@@ -113,7 +113,7 @@ class Planner:
         sim = schedules.simulate(table, schedule_costs(stages, table, self.model, self.memory))
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
-        peaks = rank_peaks(table, [s.memory(self.memory) for s in stages], self.memory)
+        peaks = rank_peaks(table, [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages], self.memory)
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
                          allreduce, peaks, tuple(s.recompute for s in stages))
 
@@ -233,11 +233,6 @@ def _describe(layout: Layout) -> str:
             f"{layout.microbatches} microbatches")
 
 
-def _splits_bw(table: schedules.Table) -> bool:
-    """Whether the schedule runs B and W as separate actions (so W's inputs wait in memory)."""
-    return any(a.kind == "W" for row in table.rows for a in row)
-
-
 def _calibrate(stages: Sequence[StageCost], guesses: Sequence[StageCost], bounds: Sequence[int],
                time_scale: list[float], saved_scale: list[float], split_bw: bool) -> None:
     """Scale each block's estimates by its stage's exact / estimated ratio (a recomputing stage's
@@ -258,7 +253,7 @@ def _refine(planner: Planner, first: Candidate) -> Candidate:
     layout = first.layout
     size = layout.microbatch_size(planner.batch_size)
     table, graph = planner.table(layout), planner.graph(size)
-    split_bw = _splits_bw(table)
+    split_bw = splits_bw(table)
     blocks = planner.blocks(size, first.fine, exact=True, split_bw=split_bw)
     time_scale, saved_scale = [1.0] * blocks.num_blocks, [1.0] * blocks.num_blocks
     budgets = [planner.limit / layout.stages_per_rank] * layout.num_stages
@@ -360,7 +355,7 @@ def _to_plan(planner: Planner, cand: Candidate, schedule: str) -> Plan:
     layout = cand.layout
     size = layout.microbatch_size(planner.batch_size)
     graph, table, memory = planner.graph(size), planner.table(layout), planner.memory
-    peaks = stage_peaks(table, [s.memory(memory) for s in cand.stages], memory)
+    peaks = stage_peaks(table, [s.memory(memory, split_bw=splits_bw(table)) for s in cand.stages], memory)
     stages = tuple(StagePlan(
         index=k, start=s.start, stop=s.stop, rank=table.rank_of(k), forward_time=s.forward,
         backward_input_time=s.backward_input, backward_weight_time=s.backward_weight, param_bytes=s.param_bytes,

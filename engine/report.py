@@ -22,13 +22,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .instructions import COMPUTE, SHORT
 from .plan import Plan
 from .tracing import Span, stage_times
 
 log = logging.getLogger("engine.report")
-KINDS = (("forward", "F"), ("backward_input", "B"), ("backward_weight", "W"))
-COMPUTE = {kind for kind, _ in KINDS}
-COLORS = {"forward": "#4C72B0", "backward_input": "#DD8452", "backward_weight": "#55A868"}  # as schedules.png
+KINDS = tuple(SHORT.items())  # (instruction kind, its letter as a schedule action)
+COLORS = {"forward": "#4C72B0", "backward_input": "#DD8452", "backward_weight": "#55A868",
+          "backward": "#C44E52"}  # as schedules.png
 COMM_COLOR, OTHER_COLOR = "#8C8C8C", "#C8C8C8"
 
 
@@ -47,7 +48,8 @@ def _ratio(measured: float | None, predicted: float | None) -> str:
 def _predicted(plan: Plan, stage: int, kind: str) -> float:
     s = plan.stages[stage]
     return {"forward": s.forward_time, "backward_input": s.backward_input_time,
-            "backward_weight": s.backward_weight_time}[kind]
+            "backward_weight": s.backward_weight_time,
+            "backward": s.backward_input_time + s.backward_weight_time}[kind]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -77,26 +79,28 @@ def gather(step: Any, spans: Sequence[Span]) -> tuple[list[Span], dict[int, floa
 
 def compare(step: Any, spans: Sequence[Span], *, memory: Mapping[int, float] | None = None) -> str:
     """A table per stage in `spans`: predicted, measured and ratio of F, B and W (ms per microbatch);
-    then per world rank in `spans`: predicted and measured step time and peak memory."""
+    then per world rank in `spans`: predicted and measured step time and peak memory (predicted: the
+    rank's program replayed, `step.memory()`; measured: `memory`, else this rank's CUDA peak)."""
     plan: Plan = step.plan
     measured = stage_times(spans)
     stages = sorted({s.stage for s in spans if s.kind in COMPUTE})
+    kinds = [(kind, k) for kind, k in KINDS if any(key[1] == kind for key in measured)]  # those the schedule ran
     header = ["stage", "rank", "recompute"]
-    for _, k in KINDS:
+    for _, k in kinds:
         header += [f"{k} pred ms", f"{k} meas ms", f"{k} ratio"]
     rows = []
     for st in stages:
         row = [str(st), str(plan.stages[st].rank), "yes" if plan.recompute[st] else "no"]
-        for kind, _ in KINDS:
+        for kind, _ in kinds:
             pred, meas = _predicted(plan, st, kind), measured.get((st, kind))
             row += [_ms(pred), _ms(meas), _ratio(meas, pred)]
         rows.append(row)
     mem = dict(measured_memory(step) if memory is None else memory)
     ranks = sorted({s.rank for s in spans})
+    replayed = step.memory()
     rank_rows = []
     for r in ranks:
-        position = r % plan.pipeline_depth
-        pred_mem = plan.rank_memory[position] if position < len(plan.rank_memory) else None
+        pred_mem = replayed[r].peak if r < len(replayed) else None
         meas_time, meas_mem = step_time(spans, r), mem.get(r)
         rank_rows.append([str(r), _ms(plan.predicted_step_time), _ms(meas_time),
                           _ratio(meas_time, plan.predicted_step_time),

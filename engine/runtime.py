@@ -9,7 +9,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 import ir
 
 from .emit import StageInfo
-from .instructions import Instr, Program
+from .instructions import COMPUTE, Instr, Program
 from .tracing import Tracer
 from .transport import Transport
 
@@ -20,11 +20,13 @@ class Executor:
     """Runs a Program over a Transport for one step: buffers live in a dict and die at `free`."""
 
     def __init__(self, program: Program, infos: Sequence[StageInfo], transport: Transport, *,
-                 microbatches: int, dp: int, device: torch.device, hook: Hook | None = None) -> None:
+                 microbatches: int, dp: int, device: torch.device, hook: Hook | None = None,
+                 compiler: str = "fx") -> None:
         self.program, self.infos, self.transport = program, infos, transport
         self.m, self.dp, self.device, self.hook = microbatches, dp, device, hook
+        self.compile = COMPILERS[check_compiler(compiler)]
         self.tracer: Tracer | None = None
-        self.parts: dict[tuple[int, str], Callable[..., Any]] = {}
+        self.parts: dict[tuple[int, str, tuple[int, ...]], Callable[..., Any]] = {}  # (stage, kind, accumulate)
         self.loss_dtype = infos[-1].stage.graph.outputs[-1].aval.dtype
 
     # -- one step -------------------------------------------------------------------------------
@@ -55,25 +57,38 @@ class Executor:
         return self.loss, self.grads
 
     def warmup(self, stages: Sequence[int]) -> None:
-        """Run each local stage's F, B and W once on stand-in data, with no communication, so that every
-        kernel is loaded and every library handle made before a step (on GPU a kernel loaded lazily while
-        an NCCL kernel spins can deadlock). Nothing to do on CPU."""
-        if self.device.type == "cpu":
-            return
+        """Run each local stage's programs (F, then B and W or BW as this rank's program does) once on
+        stand-in data, with no communication, so that every kernel is loaded and every library handle made
+        before a step (on GPU a kernel loaded lazily while an NCCL kernel spins can deadlock; `parallelize`
+        calls it there, not on CPU)."""
+        first: dict[tuple[int, str], Instr] = {}
+        for ins in self.program.instrs:
+            if ins.kind in COMPUTE:
+                first.setdefault((ins.stage, ins.kind), ins)
         for s in stages:
             ad = self.infos[s].ad
-            slots = {i: _stand_in(a, self.device) for i, a in enumerate(ad.slot_avals) if a is not None}
-            for kind in ("forward", "backward_input", "backward_weight"):
-                part = getattr(ad, kind)
-                outs = self._part(s, kind)(*[slots[i] for i in part.in_slots])
-                slots.update(zip(part.out_slots, outs))
-        torch.cuda.synchronize(self.device)
+            slots = {i: stand_in(a, self.device) for i, a in enumerate(ad.slot_avals) if a is not None}
+            for kind in [k for k in COMPUTE if (s, k) in first]:
+                part, acc = getattr(ad, kind), first[(s, kind)].accumulated()
+                scratch = [stand_in(ad.slot_avals[part.out_slots[k]], self.device).zero_() for k in acc]
+                outs = self._part(s, kind, acc)(*[slots[i] for i in part.in_slots], *scratch)
+                slots.update((slot, out) for slot, out in zip(part.out_slots, outs) if out is not None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-    def _part(self, stage: int, kind: str) -> Callable[..., Any]:
-        key = (stage, kind)
+    def _part(self, stage: int, kind: str, accumulate: tuple[int, ...] = ()) -> Callable[..., Any]:
+        key = (stage, kind, accumulate)
         if key not in self.parts:
-            self.parts[key] = ir.compile_graph(getattr(self.infos[stage].ad, kind).graph)
+            self.parts[key] = self.compile(getattr(self.infos[stage].ad, kind).graph, accumulate)
         return self.parts[key]
+
+    def accumulator(self, ref: str) -> torch.Tensor:
+        """The grad accumulator `g<leaf>`, zeros at its first use in a step: compiled W / BW programs add
+        each weight grad into it as soon as it is made (see `ir.compile_graph`'s `accumulate`)."""
+        pid = int(ref[1:])
+        if pid not in self.grads:
+            self.grads[pid] = torch.zeros_like(self.params[pid], memory_format=torch.contiguous_format)
+        return self.grads[pid]
 
     # -- operands -------------------------------------------------------------------------------
     def read(self, ref: str, mb: int) -> torch.Tensor:
@@ -87,14 +102,7 @@ class Executor:
         return self.bufs[ref]
 
     def write(self, ref: str, value: torch.Tensor) -> None:
-        if ref[0] == "g":
-            pid = int(ref[1:])
-            if pid in self.grads:
-                self.grads[pid].add_(value)
-            else:  # a private copy: W's output may alias another value of the stage
-                self.grads[pid] = value.clone(memory_format=torch.contiguous_format)
-        else:
-            self.bufs[ref] = value
+        self.bufs[ref] = value
 
     def _retire_sends(self) -> None:
         """Forget sends that have finished. Sends are never waited on mid-step: on NCCL that would make
@@ -115,9 +123,11 @@ class Executor:
         # Stage inputs and cotangents were traced as contiguous placeholders; a value handed over on the
         # same rank (zbv's turn of the V) or given by the user may not be, and a traced `view` needs it.
         args = [a.contiguous() if s < edge and not a.is_contiguous() else a for a, s in zip(args, slots)]
-        outs = self._part(ins.stage, ins.kind)(*args)
+        acc = ins.accumulated()
+        outs = self._part(ins.stage, ins.kind, acc)(*args, *[self.accumulator(ins.writes[k]) for k in acc])
         for ref, value in zip(ins.writes, outs):
-            self.write(ref, value)
+            if ref[0] != "g":
+                self.write(ref, value)
 
     def comm(self, ins: Instr) -> None:
         self._retire_sends()
@@ -128,7 +138,7 @@ class Executor:
                 if c.op == "send":
                     ops.append(("send", c.peer, self.read(ref, c.mb).contiguous()))
                 else:
-                    aval = _recv_aval(info, c.what, k)
+                    aval = info.recv_aval(c.what, k)
                     t = torch.empty(aval.shape, dtype=aval.dtype, device=self.device)
                     self.bufs[ref] = t
                     ops.append(("recv", c.peer, t))
@@ -170,22 +180,33 @@ class Executor:
             self.transport.all_reduce(self.loss, tuple(range(self.transport.world_size)))
 
 
-def _stand_in(aval: ir.AbstractValue, device: torch.device) -> torch.Tensor:
+def _inductor(graph: ir.Graph, accumulate: tuple[int, ...]) -> Callable[..., Any]:
+    """The fx program of `graph`, compiled by torch.compile's inductor (fused kernels, static shapes)."""
+    return torch.compile(ir.compile_graph(graph, accumulate), backend="inductor", fullgraph=True, dynamic=False)
+
+
+COMPILERS: dict[str, Callable[[ir.Graph, tuple[int, ...]], Callable[..., Any]]] = {
+    "fx": ir.compile_graph,  # generated Python calling ATen ops one by one: eager's per-op cost
+    "inductor": _inductor,
+}
+
+
+def check_compiler(name: str) -> str:
+    if name not in COMPILERS:
+        raise ValueError(f"compiler must be one of {', '.join(map(repr, COMPILERS))}, got {name!r}")
+    return name
+
+
+
+def stand_in(aval: ir.AbstractValue, device: torch.device) -> torch.Tensor:
     """Data of the right shape for a warm-up run: small random floats, zeros (valid indices) otherwise."""
     if aval.dtype.is_floating_point:
         return torch.randn(aval.shape, device=device).to(aval.dtype) * 0.01
     return torch.zeros(aval.shape, dtype=aval.dtype, device=device)
 
 
-def _recv_aval(info: StageInfo, what: str, k: int) -> ir.AbstractValue:
-    g = info.stage.graph
-    if what == "act":
-        return g.inputs[info.act_slot(k)].aval
-    return g.outputs[info.ct_outs()[k]].aval
-
-
 HANDLERS: dict[str, Callable[[Executor, Instr], None]] = {
-    "forward": Executor.compute, "backward_input": Executor.compute, "backward_weight": Executor.compute,
+    **{kind: Executor.compute for kind in COMPUTE},
     "comm": Executor.comm, "free": Executor.free, "loss_grad": Executor.loss_grad, "add_loss": Executor.add_loss,
     "reduce_grads": Executor.reduce_grads, "reduce_loss": Executor.reduce_loss,
 }

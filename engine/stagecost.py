@@ -23,7 +23,7 @@ import schedules
 from .blocks import Blocks
 from .costmodel import CostModel
 from .errors import PlanError, SplitError
-from .memory import MemoryModel, StageMemory, gib
+from .memory import MemoryModel, StageMemory, gib, rank_static
 from .split import FIX, BlockCosts, Partition, partition, split_costs
 
 
@@ -45,6 +45,8 @@ class StageCost:
     recv_bytes: int
     send_bytes: int
     workspace_bytes: int = 0       # peak temporaries of one F, B or W (exact; estimated when recomputing)
+    fused_workspace_bytes: int | None = None  # the same when B and W run fused as BW (None: as above)
+    after_b_bytes: int | None = None  # per microbatch from B to W when split (exact; None: saved + b_to_w)
     exact: bool = False
     recompute: bool = False        # activation recomputation: B redoes F, F keeps only the outputs
 
@@ -52,10 +54,13 @@ class StageCost:
     def time(self) -> float:
         return self.forward + self.backward_input + self.backward_weight
 
-    def memory(self, model: MemoryModel) -> StageMemory:
+    def memory(self, model: MemoryModel, *, split_bw: bool = True) -> StageMemory:
+        """Bytes for the memory model; `split_bw` False when the schedule runs this stage's B and W fused."""
+        fused = self.fused_workspace_bytes
+        workspace = self.workspace_bytes if split_bw or fused is None else fused
         return model.stage(param_bytes=self.param_bytes, saved_bytes=self.saved_bytes, recv_bytes=self.recv_bytes,
-                           send_bytes=self.send_bytes, b_to_w_bytes=self.b_to_w_bytes,
-                           workspace_bytes=self.workspace_bytes)
+                           send_bytes=self.send_bytes, b_to_w_bytes=self.b_to_w_bytes, workspace_bytes=workspace,
+                           after_b_bytes=self.after_b_bytes)
 
 
 def _param_stats(graph: ir.Graph, params: Sequence[int]) -> tuple[int, int]:
@@ -93,20 +98,14 @@ def _slot_bytes(ad: ir.StageAD, slots: set[int]) -> int:
 def transient_bytes(g: ir.Graph) -> int:
     """Peak bytes of the values `g` makes and frees again (not its outputs, not views), run in order
     with each value freed after its last use, as the runtime does."""
-    last, outputs = g.last_use(), set(g.outputs)
-    size: dict[ir.Var, int] = {}
-    live = peak = 0
-    for i, e in enumerate(g.eqns):
-        cost = ir.eqn_cost(e)
-        for v in e.out_vars:
-            if v not in outputs and v in last and (cost.flops or cost.bytes):
-                size[v] = v.aval.nbytes
-                live += size[v]
-        peak = max(peak, live)
-        for v in dict.fromkeys(e.inputs):
-            if last.get(v) == i and v in size:
-                live -= size.pop(v)
-    return peak
+    return ir.run_bytes(g).transient
+
+
+def _backward_transient(part: ir.Part, grad_slots: set[int]) -> int:
+    """Temporaries of a W or BW program as the runtime runs it: each param grad is added into its
+    accumulator as soon as it is made and dies there, so it counts while it lives."""
+    params = tuple(k for k, s in enumerate(part.out_slots) if s in grad_slots)
+    return ir.run_bytes(part.graph, params).transient
 
 
 def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str | None,
@@ -125,15 +124,23 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str
     order = list(graph.defined())
     nbytes, numel = _param_stats(graph, stage.param_ids)
     handed = _slot_bytes(ad, b_to_w) if recompute else 0
+    acts_in = set(range(n_params + n_batch, n_in))
+    param_grads = {s for s in ad.grad_slots[:n_params] if s is not None}
+    cts = {s for s in ad.ct_slots if s is not None}
+    after_b = set(w.in_slots) & (from_f | acts_in | cts) | b_to_w  # what waits for W once B is done
     return StageCost(
         start=stage.start, stop=stage.stop, forward=model.graph_time(f.graph),
-        backward_input=model.graph_time(b.graph), backward_weight=model.graph_time(w.graph),
+        backward_input=model.graph_time(b.graph),
+        backward_weight=model.graph_time(w.graph) + model.params_accumulate_time(graph, stage.param_ids),
         flops=sum(ir.eqn_cost(e).flops for e in g.eqns), params=tuple(stage.param_ids), param_bytes=nbytes,
         num_params=numel, saved_bytes=_slot_bytes(ad, from_f), b_to_w_bytes=_slot_bytes(ad, b_to_w),
         recv_bytes=sum(order[v].aval.nbytes for v in stage.acts_in),
         send_bytes=sum(order[v].aval.nbytes for v in stage.acts_out),
         workspace_bytes=max(transient_bytes(f.graph), transient_bytes(b.graph) + handed,
-                            transient_bytes(w.graph) + handed), exact=True, recompute=recompute)
+                            _backward_transient(w, param_grads) + handed),
+        fused_workspace_bytes=max(transient_bytes(f.graph), _backward_transient(ad.backward, param_grads)),
+        after_b_bytes=_slot_bytes(ad, after_b),
+        exact=True, recompute=recompute)
 
 
 def exact(graph: ir.Graph, cuts: Sequence[int], model: CostModel, *, device: str | None = None,
@@ -172,17 +179,24 @@ def exact_blocks(graph: ir.Graph, blocks: Blocks, model: CostModel, *, device: s
         saved=tuple(c.saved_bytes + c.recv_bytes + (c.b_to_w_bytes if split_bw else 0) for c in per_block))
 
 
+def splits_bw(table: schedules.Table) -> bool:
+    """Whether the schedule runs B and W as separate actions (so W's inputs wait in memory); otherwise
+    every backward is one fused BW program."""
+    return any(a.kind == "W" for row in table.rows for a in row)
+
+
 def schedule_costs(stages: Sequence[StageCost], table: schedules.Table, model: CostModel,
                    memory: MemoryModel) -> schedules.Costs:
     """The simulator's view of these stages: times, transfer bytes, and memory per rank."""
-    mems = [s.memory(memory) for s in stages]
-    static = tuple(sum(mems[s].static for s in table.stages_of(r)) for r in range(table.num_ranks))
+    mems = [s.memory(memory, split_bw=splits_bw(table)) for s in stages]
+    static = tuple(rank_static(table, mems, r) for r in range(table.num_ranks))
     return schedules.Costs(
         forward=tuple(s.forward for s in stages), backward_input=tuple(s.backward_input for s in stages),
         backward_weight=tuple(s.backward_weight for s in stages), comm_latency=model.link.latency,
         comm_bandwidth=model.link.bandwidth, activation_bytes=tuple(float(s.send_bytes) for s in stages),
         memory_per_microbatch=tuple(m.per_microbatch for m in mems),
-        memory_b_to_w=tuple(m.b_to_w for m in mems), static_memory=static)
+        memory_b_to_w=tuple(m.b_to_w for m in mems), static_memory=static,
+        memory_after_b=tuple(m.between_b_and_w for m in mems))
 
 
 # -- activation recomputation per stage ------------------------------------------------------------------

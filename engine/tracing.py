@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from .instructions import Instr
+from .instructions import COMPUTE, SHORT, Instr
 
 
 @attrs.frozen
@@ -61,9 +61,8 @@ class Tracer:
 
 
 def _label(ins: Instr) -> str:
-    short = {"forward": "F", "backward_input": "B", "backward_weight": "W"}
-    if ins.kind in short:
-        return f"{ins.stage}{short[ins.kind]}{ins.mb}"
+    if ins.kind in SHORT:
+        return f"{ins.stage}{SHORT[ins.kind]}{ins.mb}"
     if ins.kind == "comm":
         return "comm " + ",".join(f"{c.op}{c.what[0].upper()}{c.mb}" for c in ins.comm)
     return ins.kind
@@ -85,10 +84,10 @@ def save_perfetto(spans: Sequence[Span], path: str) -> None:
 
 
 def stage_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
-    """Median measured seconds per (stage, F/B/W) over microbatches."""
+    """Median measured seconds per (stage, F/B/W/BW) over microbatches."""
     by: dict[tuple[int, str], list[float]] = {}
     for s in spans:
-        if s.kind in ("forward", "backward_input", "backward_weight"):
+        if s.kind in COMPUTE:
             by.setdefault((s.stage, s.kind), []).append(s.end - s.start)
     return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
 
@@ -96,7 +95,7 @@ def stage_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
 def render_spans(spans: Sequence[Span], *, width: int = 96) -> str:
     """Measured timeline as text: one line per rank, each compute instruction drawn as its label
     followed by `-` over its duration, `.` where the rank's compute stream was idle."""
-    comp = [s for s in spans if s.kind in ("forward", "backward_input", "backward_weight")]
+    comp = [s for s in spans if s.kind in COMPUTE]
     if not comp:
         return "(no compute spans)"
     end = max(s.end for s in comp)

@@ -58,7 +58,8 @@ class Costs:
     between ranks take ``comm_latency + activation_bytes[s] / comm_bandwidth`` for stage ``s``'s
     output or its grad (free by default). Memory per rank: ``static_memory[r]``, plus
     ``memory_per_microbatch[s]`` from each F's start until its BW or W ends, plus
-    ``memory_b_to_w[s]`` from each B's start until its W ends.
+    ``memory_b_to_w[s]`` from each B's start until its W ends; with ``memory_after_b`` a microbatch
+    holds that much from its B's end until its W ends (what W still reads).
     """
 
     forward: PerIndex = attrs.field(
@@ -83,6 +84,11 @@ class Costs:
     )
     static_memory: PerIndex = attrs.field(
         default=0.0, converter=_per_index, validator=_non_negative
+    )
+    memory_after_b: PerIndex | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else _per_index(v),
+        validator=attrs.validators.optional(_non_negative),
     )
 
     @classmethod
@@ -110,6 +116,8 @@ class Costs:
         """Raise unless every per-stage field has ``num_stages`` values (static: ``num_ranks``)."""
         for field in attrs.fields(Costs):
             value = getattr(self, field.name)
+            if value is None:
+                continue
             want = num_ranks if field.name == "static_memory" else num_stages
             if isinstance(value, tuple) and len(value) != want:
                 unit = "ranks" if field.name == "static_memory" else "stages"
@@ -130,9 +138,21 @@ _COMPUTE: dict[str, Callable[[Costs, int], float]] = {
     BW: _backward_both,
 }
 
+def _between_b_and_w(costs: Costs, stage: int) -> float:
+    """What a microbatch of ``stage`` holds from its B's end until its W ends."""
+    if costs.memory_after_b is None:
+        return _at(costs.memory_per_microbatch, stage) + _at(costs.memory_b_to_w, stage)
+    return _at(costs.memory_after_b, stage)
+
+
+def _backward_input_memory(costs: Costs, stage: int) -> tuple[float, float]:
+    full = _at(costs.memory_per_microbatch, stage) + _at(costs.memory_b_to_w, stage)
+    return _at(costs.memory_b_to_w, stage), _between_b_and_w(costs, stage) - full
+
+
 _MEMORY: dict[str, Callable[[Costs, int], tuple[float, float]]] = {
     F: lambda c, s: (_at(c.memory_per_microbatch, s), 0.0),
-    B: lambda c, s: (_at(c.memory_b_to_w, s), 0.0),
-    W: lambda c, s: (0.0, -_at(c.memory_per_microbatch, s) - _at(c.memory_b_to_w, s)),
+    B: _backward_input_memory,
+    W: lambda c, s: (0.0, -_between_b_and_w(c, s)),
     BW: lambda c, s: (0.0, -_at(c.memory_per_microbatch, s)),
 }

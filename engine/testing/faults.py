@@ -86,8 +86,9 @@ class SwapMicrobatches(Fault):
 
 
 class DropWeightGrad(Fault):
-    """One backward_weight (of `stage`, default the rank's first W of microbatch `mb`) is skipped: the
-    hook returns "skip", so its grads never reach the accumulators."""
+    """The weight grads of one backward (of `stage`, default the rank's first W or BW of microbatch `mb`)
+    never reach the accumulators: a W is skipped (the hook returns "skip"); a fused BW runs, since its
+    input grads are still sent on, but adds its weight grads into scratch tensors that are dropped."""
 
     options = ("mb", "stage")
 
@@ -96,12 +97,16 @@ class DropWeightGrad(Fault):
         self.mb, self.stage = mb, stage
 
     def apply(self, executor: Any, ins: Instr) -> str | None:
-        target = _first(executor, lambda i: i.kind == "backward_weight" and i.mb == self.mb
+        target = _first(executor, lambda i: i.kind in ("backward_weight", "backward") and i.mb == self.mb
                         and (self.stage is None or i.stage == self.stage) and any(w.startswith("g") for w in i.writes))
         if ins != target:
             return None
         self.fired += 1
-        return SKIP
+        if ins.kind == "backward_weight":
+            return SKIP
+        executor.accumulator = lambda ref: torch.zeros_like(executor.params[int(ref[1:])])  # thrown away
+        self.pending = lambda: delattr(executor, "accumulator")  # the class's accumulator again
+        return None
 
 
 class ScaleGrad(Fault):

@@ -1,6 +1,7 @@
 """Cost model (roofline, links, calibration, backward estimates), memory model, and block coarsening."""
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from engine.calibrate import Calibration, calibrate, signature
 from engine.costmodel import CostModel, backward_estimates
 from engine.devices import H100, H200, LINKS, get_device, get_link
 from engine.errors import PlanError
-from engine.memory import MemoryModel, StageMemory, peak_live, rank_peaks, stage_peaks
+from engine.memory import MemoryModel, StageMemory, live_trace, peak_live, rank_peaks, rank_static, stage_peaks
 from engine.stagecost import transient_bytes
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
@@ -98,6 +99,23 @@ def test_calibration_times_each_signature_once_and_overrides_the_roofline(tmp_pa
     assert calibrate(g, "cpu", calibration=cal) == cal  # nothing new to time
 
 
+def test_a_saved_calibration_is_completed_for_new_microbatch_shapes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A table saved for one microbatch size lacks the shapes of another: they are timed, not guessed."""
+    from engine.launch import World
+    from engine.step import calibration, microbatch_example
+
+    params = {"layers": [torch.randn(64, 64) for _ in range(2)]}
+    x = torch.randn(32, 64)
+    world, path = World(0, 1, 0, torch.device("cpu"), False), tmp_path / "cal.json"
+    first = calibration(world, _mlp, params, (x,), 2, 1, path)
+    grown = calibration(world, _mlp, params, (x,), 4, 1, path)
+    assert set(first.times) < set(grown.times) and Calibration.load(path) == grown
+    g4 = ir.trace(_mlp, params, *microbatch_example((x,), 4))
+    costly = [e for e in g4.eqns if ir.eqn_cost(e).flops or ir.eqn_cost(e).bytes]
+    assert costly and all(signature(e) in grown.times for e in costly)
+    assert calibration(world, _mlp, params, (x,), 4, 1, path) == grown  # nothing new: the file is reused
+
+
 def _one_f_one_b(p: int, m: int) -> schedules.Table:
     return schedules.get("1f1b")(p, m)
 
@@ -109,15 +127,17 @@ def test_peak_live_matches_the_analytic_limits(p: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "zbv", "interleaved-1f1b"])
-def test_rank_peaks_agree_with_the_simulator(name: str) -> None:
+@pytest.mark.parametrize("after_b", [None, 2.0, 30.0])  # less than F's saved bytes, or more (cotangents W reads)
+def test_rank_peaks_agree_with_the_simulator(name: str, after_b: float | None) -> None:
     stages = 8 if name in ("zbv", "interleaved-1f1b") else 4
     table = schedules.get(name)(stages, 8)
-    mems = [StageMemory(100.0 * s + 10, 7.0 + s, 3.0 * (s % 2)) for s in range(stages)]
+    mems = [StageMemory(100.0 * s + 10, 7.0 + s, 3.0 * (s % 2), None if after_b is None else after_b + s % 3,
+                        5.0 * s) for s in range(stages)]
     model = MemoryModel(margin=0.1)
     costs = schedules.Costs(memory_per_microbatch=tuple(m.per_microbatch for m in mems),
                             memory_b_to_w=tuple(m.b_to_w for m in mems),
-                            static_memory=tuple(sum(mems[s].static for s in table.stages_of(r))
-                                                for r in range(table.num_ranks)))
+                            memory_after_b=tuple(m.between_b_and_w for m in mems),
+                            static_memory=tuple(rank_static(table, mems, r) for r in range(table.num_ranks)))
     sim = schedules.simulate(table, costs)
     assert rank_peaks(table, mems, model) == pytest.approx([x * 1.1 for x in sim.peak_memory])
     alone = stage_peaks(table, mems, model)
@@ -167,3 +187,78 @@ def test_calibration_signature_ignores_the_device_index():
     out = _ir.Var(_ir.AbstractValue((4,), torch.float32, "cuda:0"))
     make = lambda index: _ir.Eqn("aten.zeros.default", ([4],), (("device", torch.device("cuda", index)),), (out,))  # noqa: E731
     assert signature(make(0)) == signature(make(1))
+
+
+def test_between_b_and_w_a_microbatch_holds_only_what_w_reads() -> None:
+    """ZB-H1 runs B and W apart: once B is done, a microbatch keeps what W reads (`after_b`), not all of
+    F's saved values. Rank 1 of p=2, m=4 runs 1F0 1B0 1F1 1B1 1W0: while 1B1 makes its hand-over to W,
+    it holds microbatch 1 (10 + 5) and microbatch 0 after its B, 2.5 instead of 10 + 5: 117.5 bytes, not
+    130. Rank 0 peaks inside 0B0 with two microbatches in flight (0W0 follows at once), 125 either way."""
+    table = schedules.get("zb-h1")(2, 4)
+    model = MemoryModel(optimizer_factor=0.0, margin=0.0)
+    plain = StageMemory(100.0, 10.0, 5.0)
+    lean = StageMemory(100.0, 10.0, 5.0, after_b=2.5)
+    assert plain.between_b_and_w == 15.0 and lean.between_b_and_w == 2.5
+    assert rank_peaks(table, [plain, plain], model) == (125.0, 130.0)
+    assert rank_peaks(table, [lean, lean], model) == (125.0, 117.5)
+    states = [live[1] for live in live_trace(table.rows[1])]
+    assert states[:5] == [(1, 0, 0), (1, 0, 1), (1, 1, 0), (2, 1, 0), (2, 1, 1)]  # 1F0, in 1B0, 1B0, 1F1, in 1B1
+
+
+def test_the_program_scale_is_measured_saved_and_multiplies_every_calibrated_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """calibrate_training times each op and each weight grad's accumulation, then runs the whole forward
+    and backward on the real inputs and keeps measured / summed times; the cost model scales calibrated
+    times by it (roofline ones stay as they are)."""
+    from engine.calibrate import accumulate_signature, calibrate_training
+
+    params = {"layers": [torch.randn(64, 64) for _ in range(3)]}
+    x = torch.randn(32, 64)
+    g = _graph(_mlp, params, x)
+    assert calibrate_training(g, "cpu", repeats=3).scale == 1.0  # no real inputs: not measured
+    cal = calibrate_training(g, "cpu", repeats=3, inputs=[*params["layers"], x])
+    assert accumulate_signature(g.inputs[0].aval) in cal.times
+    assert 0.05 < cal.scale < 50 and cal.scale != 1.0  # measured: some finite ratio, not the default
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert Calibration.load(path) == cal
+    assert calibrate_training(g, "cpu", calibration=cal, inputs=[*params["layers"], x]) == cal  # nothing new
+    unmeasured = attrs.evolve(cal, scale=1.0)  # a table made without inputs gets its scale once they come
+    assert calibrate_training(g, "cpu", calibration=unmeasured, inputs=[*params["layers"], x]).scale != 1.0
+    plain = CostModel(get_device("cpu"), LINKS["loopback"], attrs.evolve(cal, scale=1.0))
+    scaled = CostModel(get_device("cpu"), LINKS["loopback"], attrs.evolve(cal, scale=2.0))
+    e = g.eqns[0]
+    assert scaled.eqn_time(e) == pytest.approx(2 * plain.eqn_time(e))
+    assert scaled.accumulate_time(g.inputs[0].aval) == pytest.approx(2 * cal.times[accumulate_signature(g.inputs[0].aval)])
+    unknown = CostModel(get_device("cpu"), LINKS["loopback"], Calibration("cpu", {}, scale=3.0))
+    assert unknown.eqn_time(e) == CostModel(get_device("cpu"), LINKS["loopback"]).eqn_time(e)
+
+
+def test_weight_grad_accumulation_is_charged_to_w() -> None:
+    """Every microbatch adds each weight grad into its accumulator: W's time includes 3 x bytes / bandwidth
+    per float param leaf (read grad and accumulator, write accumulator) on the roofline."""
+    from engine.stagecost import exact
+
+    params = {"layers": [torch.randn(64, 64) for _ in range(2)]}
+    g = _graph(_mlp, params, torch.randn(32, 64))
+    model = CostModel(get_device("h100"), LINKS["nvlink"])
+    (stage,) = exact(g, [], model)
+    w_graph = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs))).backward_weight.graph
+    per_leaf = model.device.launch_overhead + 3 * 64 * 64 * 4 / model.device.bandwidth
+    assert stage.backward_weight == pytest.approx(model.graph_time(w_graph) + 2 * per_leaf)
+
+
+def test_a_program_too_large_for_the_device_leaves_the_scale_at_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import engine.calibrate as calibrate_module
+
+    params = {"layers": [torch.randn(64, 64) for _ in range(2)]}
+    x = torch.randn(32, 64)
+    g = _graph(_mlp, params, x)
+
+    def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    cal = calibrate_module.calibrate(g, "cpu", repeats=1)
+    monkeypatch.setattr(calibrate_module.ir, "compile_graph", out_of_memory)
+    ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)))
+    inputs = [*params["layers"], x]
+    assert calibrate_module.program_scale(ad, g, torch.device("cpu"), cal, inputs) == 1.0

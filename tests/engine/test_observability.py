@@ -121,7 +121,8 @@ def test_report_compares_every_stage_and_rank(traced: tuple) -> None:
     ranks = [ln.split() for ln in lines[3 + p.num_stages:]]
     assert [r[0] for r in ranks[1:]] == ["0", "1"]
     assert ranks[1][5] == "1" and ranks[2][5] == "-" and ranks[2][6] == "-"  # memory measured on rank 0 only
-    assert float(ranks[1][6]) == pytest.approx(1e9 / p.rank_memory[0], rel=0.01)
+    assert float(ranks[1][4]) == pytest.approx(steps[0].memory()[0].peak / 1e9, rel=0.01)
+    assert float(ranks[1][6]) == pytest.approx(1e9 / steps[0].memory()[0].peak, rel=0.01)
     assert float(ranks[1][2]) > 0 and float(ranks[1][1]) == pytest.approx(p.predicted_step_time * 1e3, rel=1e-3)
 
 

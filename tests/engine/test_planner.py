@@ -62,7 +62,7 @@ stage rank      eqns modules                    params M    GFLOP  fwd ms  bwd m
     1    1     10-24 blocks.2-3 + ln_f + wte         1.0      4.5    1.50    2.25      7.5    1.00     0.0
 1f1b: 2 stages on 2 ranks x dp 1 = 2 ranks; 4 microbatches of 2
 predicted step 12.30 ms (dp all-reduce 0.00 ms), bubble 20.0%
-device h100, link nvlink, memory limit 80.0 GB; peak GB per rank 2.00 1.00"""
+device h100, link nvlink, memory limit 80.0 GB; planned peak GB per rank 2.00 1.00"""
 
 
 def test_plan_prints_a_stage_table_golden() -> None:

@@ -41,37 +41,33 @@ program rank 0 (10 instructions)
      1: comm { send_act s0 mb0 to r1 [b0] }
      2: forward s0 mb1 [p0 x2] -> [b1]
      3: comm { send_act s0 mb1 to r1 [b1]; recv_grad s0 mb0 from r1 [b2] }
-     4: backward_weight s0 mb0 [x2 b2 b0] -> [g0]
+     4: backward s0 mb0 [x2 b2 b0] -> [g0]
      5: free [b0 b2]
      6: comm { recv_grad s0 mb1 from r1 [b3] }
-     7: backward_weight s0 mb1 [x2 b3 b1] -> [g0]
+     7: backward s0 mb1 [x2 b3 b1] -> [g0]
      8: free [b1 b3]
      9: reduce_loss []"""
 
 GOLDEN_RANK1 = """\
-program rank 1 (22 instructions)
+program rank 1 (18 instructions)
      0: comm { recv_act s1 mb0 from r0 [b0] }
      1: forward s1 mb0 [p1 x3 b0] -> [b1 b2]
      2: add_loss s1 mb0 [b1]
      3: free [b1]
      4: loss_grad s1 mb0 [] -> [b3]
-     5: backward_input s1 mb0 [p1 b3 b2] -> [b4 b5]
-     6: free [b2 b3]
-     7: backward_weight s1 mb0 [b0 b5] -> [g1]
-     8: free [b0 b5]
-     9: comm { recv_act s1 mb1 from r0 [b6]; send_grad s1 mb0 to r0 [b4] }
-    10: free [b4]
-    11: forward s1 mb1 [p1 x3 b6] -> [b7 b8]
-    12: add_loss s1 mb1 [b7]
-    13: free [b7]
-    14: loss_grad s1 mb1 [] -> [b9]
-    15: backward_input s1 mb1 [p1 b9 b8] -> [b10 b11]
-    16: free [b8 b9]
-    17: backward_weight s1 mb1 [b6 b11] -> [g1]
-    18: free [b6 b11]
-    19: comm { send_grad s1 mb1 to r0 [b10] }
-    20: free [b10]
-    21: reduce_loss []"""
+     5: backward s1 mb0 [p1 b0 b3 b2] -> [b4 g1]
+     6: free [b0 b2 b3]
+     7: comm { recv_act s1 mb1 from r0 [b5]; send_grad s1 mb0 to r0 [b4] }
+     8: free [b4]
+     9: forward s1 mb1 [p1 x3 b5] -> [b6 b7]
+    10: add_loss s1 mb1 [b6]
+    11: free [b6]
+    12: loss_grad s1 mb1 [] -> [b8]
+    13: backward s1 mb1 [p1 b5 b8 b7] -> [b9 g1]
+    14: free [b5 b7 b8]
+    15: comm { send_grad s1 mb1 to r0 [b9] }
+    16: free [b9]
+    17: reduce_loss []"""
 
 
 def test_program_listing_of_a_two_stage_1f1b() -> None:

@@ -11,6 +11,7 @@ import ir
 
 from engine import CommTimeoutError
 from engine.inprocess import build_steps, run_steps
+from engine.instructions import COMPUTE
 from engine.plan import Plan, StagePlan
 from engine.transport import DistTransport
 from tests.mpi import models
@@ -30,6 +31,9 @@ def two_ranks(schedule: str = "1f1b", **kw) -> tuple:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv", "interleaved-1f1b"])
 def test_a_step_leaves_nothing_behind_and_repeats_exactly(schedule: str) -> None:
     steps = two_ranks(schedule)
+    for step in steps:  # what parallelize does on GPU before the first step; it must change nothing
+        step.executor.warmup(step.local_stages)
+        assert {kind for _, kind, _ in step.executor.parts} == {i.kind for i in step.program.instrs} & set(COMPUTE)
     first = run_steps(steps, PARAMS, BATCH)
     second = run_steps(steps, PARAMS, BATCH)  # same executors: no state may leak from one step to the next
     ref = torch.func.grad(models.loss_fn)(PARAMS, *BATCH)
@@ -66,7 +70,7 @@ def test_the_hook_sees_every_instruction_in_order_and_can_skip_one() -> None:
 def test_an_error_on_one_rank_reaches_the_others_at_once() -> None:
     """In-process, a rank that raises marks the run failed: its peers stop waiting, long before the timeout."""
     def hook(executor, ins):
-        if executor.program.rank == 1 and ins.kind == "backward_input":
+        if executor.program.rank == 1 and ins.kind == "backward":  # 1F1B runs B and W fused
             raise RuntimeError("boom on rank 1")
 
     steps = two_ranks("1f1b", hook=hook)
@@ -122,3 +126,61 @@ def test_a_non_contiguous_grad_handed_over_on_the_same_rank_is_made_contiguous()
     ops = [e.op for e in graph.eqns]
     cuts = [ops.index("aten.view.default"), ops.index("aten.transpose.int"), ops.index("aten.transpose.int") + 1]
     assert_parallel_equivalent(fn, params, x, schedule="zbv", stages=4, microbatches=2, cuts=cuts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,layout", [("1f1b", {}), ("zbv", {"stages": 2})])
+def test_inductor_compiled_stage_programs_give_the_same_loss_and_grads(schedule: str, layout: dict) -> None:
+    """`compiler="inductor"`: the same programs through torch.compile; float64 grads as torch.func.grad,
+    with B and W fused (1f1b) and apart, the V's second stage handing its grads over on the rank (zbv):
+    every weight grad is added into its accumulator inside a compiled program."""
+    import engine
+    from torch.utils import _pytree as pytree
+
+    from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
+
+    config = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, head_dim=16)
+    params, (x, y), fn = init_params(config, torch.float64), example_batch(config, 4), make_loss_fn(config)
+    step = engine.parallelize(fn, params, x, y, schedule=schedule, microbatches=2, compiler="inductor", **layout)
+    loss, grads = step(step.shard(params), x, y)
+    want_grads, want_loss = torch.func.grad_and_value(fn)(params, x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    got_leaves, want_leaves = pytree.tree_leaves(grads), pytree.tree_leaves(want_grads)
+    assert len(got_leaves) == len(want_leaves) == len(pytree.tree_leaves(params))  # one rank holds every leaf
+    for got, want in zip(got_leaves, want_leaves):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    assert all(type(f).__name__ != "GraphModule" for f in step.executor.parts.values())  # compiled, not fx
+
+
+def test_an_unknown_compiler_is_refused_naming_the_choices() -> None:
+    import engine
+    from engine.errors import PlanError
+
+    with pytest.raises(PlanError, match="compiler must be one of 'fx', 'inductor', got 'xla'"):
+        engine.parallelize(lambda p, x: (p * x).sum(), torch.ones(2), torch.ones(4, 2), compiler="xla")
+
+
+def _one_grad_for_three(p, x):  # type: ignore[no-untyped-def]
+    h = torch.tanh(x @ p["w1"]).mean(0)    # [6]: no batch dim left
+    h = h + p["b"] + p["b2"]               # autodiff returns one value as the grad of h, b and b2
+    return (h * p["c"]).sum()              # linear after the mean: microbatch means average to the batch's
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "zbv", "interleaved-1f1b"])
+def test_one_value_that_is_the_grad_of_an_activation_and_of_params_reaches_each(schedule: str) -> None:
+    """When autodiff returns a single value as the grad of a received activation and of two params (and
+    the cotangent itself, at a cut right after the adds), every cut still gives torch.func.grad's
+    grads: the params' copies are added into their accumulators and the activation's is sent on (the
+    fused backward once kept only one of them and failed with KeyError 'g1')."""
+    from engine.testing import assert_parallel_equivalent
+
+    torch.manual_seed(0)
+    params = {"w1": torch.randn(4, 6, dtype=torch.float64), "b": torch.randn(6, dtype=torch.float64),
+              "b2": torch.randn(6, dtype=torch.float64), "c": torch.randn(6, dtype=torch.float64)}
+    x = torch.randn(8, 4, dtype=torch.float64)
+    n = len(ir.trace(_one_grad_for_three, params, x[:2]).eqns)
+    stages = 4 if schedule in ("zbv", "interleaved-1f1b") else 2
+    for first in range(1, n - stages + 2):
+        cuts = list(range(first, first + stages - 1))
+        assert_parallel_equivalent(_one_grad_for_three, params, x, schedule=schedule, stages=stages,
+                                   microbatches=4, cuts=cuts)

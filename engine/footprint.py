@@ -1,0 +1,113 @@
+"""Device memory of a rank's program, by replaying it: the bytes held at each instruction, and the peak.
+
+The runtime's allocations are all visible in the program: the rank's parameters and its replica's
+microbatches (every batch leaf, held for the whole step), a grad accumulator `g<leaf>` from its first
+use to the end, a buffer `b<n>` from the instruction that writes it (a compute, or a receive posted by a
+comm group) to its `free`, and inside a compute the values its program makes and frees (`ir.run_bytes`,
+with fx's frees at last use). `reduce_grads` flattens its grads into one buffer for the all-reduce. This
+is what `torch.cuda.max_memory_allocated` counts for programs run as fx code, short of the libraries' own
+workspaces (cuBLAS, attention kernels), the allocator's rounding to 512 bytes, and a sent buffer that its
+transfer keeps alive past its `free` until the send completes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import attrs
+
+import ir
+
+from .emit import StageInfo
+from .instructions import COMPUTE, Instr, Program
+
+
+@attrs.frozen
+class Footprint:
+    """Bytes of one rank's step: `static` (params and batch), `peak` (everything, at instruction
+    `peak_at`), and `held[i]`, the bytes held after instruction i."""
+
+    rank: int
+    static: int
+    peak: int
+    peak_at: int
+    held: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank}: peak {self.peak / 2**30:.2f} GiB at instruction {self.peak_at} "
+                f"(params and batch {self.static / 2**30:.2f} GiB)")
+
+
+class _Replay:
+    """Walks a program, one small handler per instruction kind, keeping the bytes of each live ref."""
+
+    def __init__(self, infos: Sequence[StageInfo], param_bytes: dict[int, int]) -> None:
+        self.infos, self.param_bytes = infos, param_bytes
+        self.runs: dict[tuple[int, str, tuple[int, ...]], ir.RunBytes] = {}  # a program's bytes, once
+        self.live: dict[str, int] = {}
+        self.now = 0  # bytes held beyond the static ones
+        self.top = 0  # the most held during the current instruction
+
+    def hold(self, ref: str, nbytes: int) -> None:
+        if ref not in self.live:
+            self.live[ref] = nbytes
+            self.now += nbytes
+
+    def compute(self, ins: Instr) -> None:
+        info = self.infos[ins.stage]
+        part, acc = getattr(info.ad, ins.kind), ins.accumulated()
+        for k in acc:  # accumulators are made (zeros) before the program runs
+            self.hold(ins.writes[k], self.param_bytes[int(ins.writes[k][1:])])
+        key = (ins.stage, ins.kind, acc)
+        if key not in self.runs:
+            self.runs[key] = ir.run_bytes(part.graph, acc)
+        self.top = self.now + self.runs[key].peak
+        for ref, slot in zip(ins.writes, part.out_slots):
+            if ref[0] == "b" and ref not in ins.reads:
+                self.hold(ref, info.ad.slot_avals[slot].nbytes)
+
+    def comm(self, ins: Instr) -> None:
+        for c in ins.comm:
+            if c.op == "recv":
+                for k, ref in enumerate(c.bufs):
+                    self.hold(ref, self.infos[c.stage].recv_aval(c.what, k).nbytes)
+
+    def free(self, ins: Instr) -> None:
+        for ref in ins.reads:
+            self.now -= self.live.pop(ref, 0)
+
+    def loss_grad(self, ins: Instr) -> None:
+        self.hold(ins.writes[0], self.infos[ins.stage].stage.graph.outputs[-1].aval.dtype.itemsize)
+
+    def reduce_grads(self, ins: Instr) -> None:
+        for ref in ins.reads:
+            self.hold(ref, self.param_bytes[int(ref[1:])])
+        self.top = self.now + sum(self.param_bytes[int(r[1:])] for r in ins.reads)  # the flat copy
+
+    def nothing(self, ins: Instr) -> None:
+        pass
+
+
+HANDLERS: dict[str, Callable[[_Replay, Instr], None]] = {
+    **{kind: _Replay.compute for kind in COMPUTE},
+    "comm": _Replay.comm, "free": _Replay.free, "loss_grad": _Replay.loss_grad,
+    "reduce_grads": _Replay.reduce_grads, "add_loss": _Replay.nothing, "reduce_loss": _Replay.nothing,
+}
+
+
+def footprint(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, *, microbatches: int) -> Footprint:
+    """The replayed bytes of `program` (a rank of a plan whose stages are `infos`, cut from `graph`)."""
+    param_bytes = {i: graph.inputs[i].aval.nbytes for i in range(graph.num_params)}
+    mine = {ins.stage for ins in program.instrs if ins.stage >= 0}
+    params = sorted({pid for s in mine for pid in infos[s].stage.param_ids})
+    batch = sum(v.aval.nbytes for v in graph.batch)  # every rank gets every leaf of its replica's microbatches
+    static = sum(param_bytes[p] for p in params) + microbatches * batch
+    replay = _Replay(infos, param_bytes)
+    held, peak, peak_at = [], 0, 0
+    for i, ins in enumerate(program.instrs):
+        replay.top = 0
+        HANDLERS[ins.kind](replay, ins)
+        top = max(replay.top, replay.now)
+        if top > peak:
+            peak, peak_at = top, i
+        held.append(static + replay.now)
+    return Footprint(program.rank, static, static + peak, peak_at, tuple(held))
