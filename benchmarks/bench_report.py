@@ -43,6 +43,8 @@ def bound(schedule: str, p: int, m: int, *, v: int = 2) -> tuple[float, str]:
         return v * m / (v * m + p - 1), "vm/(vm+p-1)"
     if schedule == "zb-h1":  # idle (p-1)(F+B-W) = (p-1)F against m(F+B+W) = 3mF of work
         return 3 * m / (3 * m + p - 1), "3m/(3m+p-1)"
+    if schedule == "interleaved-zb":  # ZB-H1's idle, shrunk by v stages per rank
+        return 3 * v * m / (3 * v * m + p - 1), "3vm/(3vm+p-1)"
     if schedule == "zbv":
         return (1.0, "1 (m >= 2p)") if m >= 2 * p else (m / (m + p - 1), "m/(m+p-1) (m < 2p)")
     if schedule == "grad":
@@ -58,8 +60,8 @@ def _pair(values: Sequence[float] | None) -> str:
     return "-" if not values else " / ".join(gib(v) for v in values)
 
 
-COLUMNS = (("framework", 9), ("schedule", 9), ("s/step", 7), ("x torch1F1B", 11), ("peak GiB r0/r1", 14),
-           ("eff", 6), ("bound", 6), ("bound s", 7), ("pred s", 7), ("pred GiB r0/r1", 14), ("loss0", 8))
+COLUMNS = (("framework", 9), ("schedule", 18), ("s/step", 7), ("x torch1F1B", 11), ("peak GiB per rank", 19),
+           ("eff", 6), ("bound", 6), ("bound s", 7), ("pred s", 7), ("pred GiB per rank", 19), ("loss0", 8))
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -85,8 +87,9 @@ s/step: median over the measured steps of the slowest rank's step time. x torch1
 s/step over this row's (throughput relative to it). peak: torch.cuda.max_memory_allocated per rank.
 eff: share of the ideal p-fold speed-up reached = one-GPU s/step / (p x s/step), the one-GPU time being
 plain torch.func.grad's. bound: the schedule's ideal share (F = B = W); bound s = one-GPU s / (p x bound).
-pred: fnpipe's plan: predicted_step_time, and per rank plan.rank_memory minus the Adam state its memory
-model adds (this benchmark holds no optimizer). loss0: first step's loss (same weights and batch)."""
+pred: fnpipe's predictions: the plan's predicted_step_time (its schedule simulation), and per rank the
+peak bytes replayed from the rank's program (step.memory(): params, grads, buffers, temporaries; this
+benchmark holds no optimizer). loss0: first step's loss (same weights and batch)."""
 
 
 def default_out() -> Path:
@@ -100,24 +103,59 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The issue's targets, each as measured / reference with the goal."""
+    """The issue's targets, each line the measured ratio, its goal, and met / MISSED."""
     def find(fw: str, sched: str) -> dict[str, Any] | None:
         return next((r for r in rows if r["framework"] == fw and r["schedule"] == sched and "median_s" in r), None)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
 
     out = []
     grad, one = find("torch", "grad"), find("fnpipe", "1-stage")
     if grad and one:
-        out.append(f"fnpipe one stage / torch.func.grad = {one['median_s'] / grad['median_s']:.3f} s/s (goal <= 1.03)")
+        x = one["median_s"] / grad["median_s"]
+        out.append(f"fnpipe one stage / torch.func.grad s/step = {x:.3f} (goal <= 1.03): {verdict(x <= 1.03)}")
     ref = find("torch", "1f1b")
     piped = [r for r in rows if r["framework"] == "fnpipe" and r.get("ranks", 0) > 1 and "median_s" in r]
     if ref and piped:
         best = min(piped, key=lambda r: r["median_s"])
-        out.append(f"fastest fnpipe ({best['schedule']}) throughput / torch 1F1B = {ref['median_s'] / best['median_s']:.3f}"
-                   " (goal > 1)")
+        x = ref["median_s"] / best["median_s"]
+        out.append(f"fastest fnpipe ({best['schedule']}) throughput / torch 1F1B = {x:.3f} (goal >= 1.10): "
+                   f"{verdict(x >= 1.10)}")
         same = find("fnpipe", "1f1b")
         if same:
-            out.append(f"fnpipe 1f1b throughput / torch 1F1B = {ref['median_s'] / same['median_s']:.3f}")
-    for r in rows:
-        if r.get("predicted_s"):
-            out.append(f"fnpipe {r['schedule']}: measured / predicted s/step = {r['median_s'] / r['predicted_s']:.3f}")
+            x = ref["median_s"] / same["median_s"]
+            out.append(f"fnpipe 1f1b throughput / torch 1F1B = {x:.3f} (goal >= 1.00): {verdict(x >= 1.0)}")
+    for r in piped:
+        mine = r["schedule"].split("+")[0]
+        theirs = find("torch", mine)
+        if theirs and r.get("peak_bytes") and theirs.get("peak_bytes"):
+            ok = all(a <= b for a, b in zip(r["peak_bytes"], theirs["peak_bytes"]))
+            out.append(f"fnpipe {r['schedule']} peak GiB {_pair(r['peak_bytes'])} vs torch {_pair(theirs['peak_bytes'])}"
+                       f" (goal: every rank <=): {verdict(ok)}")
+    for r in (r for r in rows if r.get("predicted_s") and "median_s" in r):
+        x = r["median_s"] / r["predicted_s"]
+        out.append(f"fnpipe {r['schedule']}: measured / predicted s/step = {x:.3f} (goal 0.90-1.10): "
+                   f"{verdict(0.9 <= x <= 1.1)}")
+        pred, meas = r.get("predicted_peak_bytes"), r.get("peak_bytes")
+        if pred and meas:
+            ratios = [m / p for m, p in zip(meas, pred)]
+            out.append(f"fnpipe {r['schedule']}: measured / predicted peak per rank = "
+                       f"{' / '.join(f'{x:.3f}' for x in ratios)} (goal 0.90-1.10): "
+                       f"{verdict(all(0.9 <= x <= 1.1 for x in ratios))}")
     return out
+
+
+def summary(payload: dict[str, Any]) -> str:
+    """The table and the targets of one benchmark JSON, under a line naming its run."""
+    head = (f"== {payload['config']} GPT, {payload['world_size']} x {payload['device']}, torch {payload['torch']}, "
+            f"dp {payload['args'].get('dp', 1)}, batch {payload['batch']} = {payload['microbatches']} x "
+            f"{payload['microbatch_size']}")
+    return "\n".join([head, format_table(payload["rows"]), *targets(payload["rows"])])
+
+
+if __name__ == "__main__":  # python benchmarks/bench_report.py out/bench_*.json: the tables again, last
+    import sys
+
+    for name in sys.argv[1:]:
+        print("\n" + summary(json.loads(Path(name).read_text())))

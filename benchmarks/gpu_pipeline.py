@@ -6,8 +6,18 @@
     PYTHONPATH=. mpirun -n 2 python benchmarks/gpu_pipeline.py [--large]
     # one GPU only: torch.func.grad against fnpipe with one stage ("--single" or any world of 1)
     PYTHONPATH=. python benchmarks/gpu_pipeline.py --single [--large]
-    # CPU smoke test (gloo, fp32, d=64, 2 blocks, seq 32)
+    # 4 GPUs: depth 4 (PyTorch 1F1B, GPipe, Interleaved1F1B, ZBV against fnpipe's five schedules), then
+    # DP2 x PP2 (PyTorch's stages wrapped in DDP over the replicas; fnpipe with dp=2)
+    PYTHONPATH=. torchrun --nproc_per_node 4 benchmarks/gpu_pipeline.py --schedules gpipe,1f1b,interleaved-1f1b,zb-h1,zbv \
+        --torch-schedules 1f1b,gpipe,interleaved-1f1b,zbv
+    PYTHONPATH=. torchrun --nproc_per_node 4 benchmarks/gpu_pipeline.py --dp 2 --no-one-gpu
+    # CPU smoke test (gloo, fp32, d=64, 2 blocks, seq 32; --layers 8 for 8 stages)
     PYTHONPATH=. torchrun --nproc_per_node 2 --master-port 29511 benchmarks/gpu_pipeline.py --tiny
+
+PyTorch's side (benchmarks/torch_pp_baseline.py): Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble with an even hand split of the blocks, its documented
+practice; with --dp its stages are wrapped in DDP (the zero-bubble ones all-reduce by hand: their
+backward bypasses DDP's hooks).
 
 Model: examples.gpt_model with an untied head (PyTorch's pipelining cannot tie across stages); base
 16 blocks, d=2048, 16 heads of 128, seq 1024, vocab 50304, bf16; `--large` 24 blocks, d=2560 (20 heads).
@@ -24,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
@@ -55,6 +66,8 @@ class Bench:
         self.rank0 = self.world.rank == 0
         self.name = "tiny" if args.tiny else "large" if args.large else "base"
         self.config = CONFIGS[self.name]
+        if args.layers:
+            self.config = attrs.evolve(self.config, n_layers=args.layers)
         self.dtype = torch.float32 if args.tiny or self.world.device.type == "cpu" else torch.bfloat16
         self.m, self.batch = args.microbatches, args.microbatches * args.microbatch_size
         self.loss_fn = make_loss_fn(self.config)
@@ -92,8 +105,11 @@ class Bench:
                        device=self.world.device, across_ranks=across_ranks, label=label if self.rank0 else "")
 
     def add(self, framework: str, schedule: str, result: Measurement, p: int, **extra: Any) -> None:
-        dp = self.args.dp if framework == "fnpipe" else 1
-        frac, formula = bench_report.bound(schedule, max(1, p // dp), self.m, v=self.args.stages_per_rank)
+        """Record a row; the bound uses the row's own dp and stages_per_rank (PyTorch rows carry them),
+        else fnpipe's --dp / --stages-per-rank for fnpipe rows and dp 1 for the one-device rows."""
+        dp = extra.get("dp", self.args.dp if framework == "fnpipe" else 1)
+        v = extra.get("stages_per_rank", self.args.stages_per_rank)
+        frac, formula = bench_report.bound(schedule.split("+")[0], max(1, p // dp), self.m, v=v)
         row = {"framework": framework, "schedule": schedule, "ranks": p, "bound": frac, "bound_formula": formula,
                "loss0": result.losses[0], "finite": all(math.isfinite(x) for x in result.losses),
                **result.to_json(), **extra}
@@ -105,9 +121,11 @@ class Bench:
 
 # -- the runs ------------------------------------------------------------------------------------------------
 def run_torch(b: Bench, schedule: str) -> None:
-    b.log(f"torch.distributed.pipelining {schedule}: building the stage")
+    dp = b.args.dp if b.args.torch_dp is None else b.args.torch_dp
+    b.log(f"torch.distributed.pipelining {schedule} (dp {dp}): building the stages")
     res, info = torch_pp_baseline.run(b.config, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
-                                      device=b.world.device, dtype=b.dtype, first_blocks=b.args.torch_first_blocks,
+                                      device=b.world.device, dtype=b.dtype, dp=dp, v=b.args.stages_per_rank,
+                                      first_blocks=b.args.torch_first_blocks,
                                       measure=lambda fn, loss_of: b.measure(fn, loss_of=loss_of,
                                                                             label=f"torch {schedule}"))
     b.add("torch", schedule, res, b.world.size, **info)
@@ -115,63 +133,69 @@ def run_torch(b: Bench, schedule: str) -> None:
 
 
 def predicted_peaks(step: engine.Step) -> dict[str, Any]:
-    """The plan's peak per rank, with and without the Adam state its memory model adds (2 x params x margin)."""
-    from engine.memory import MemoryModel
-
-    plan, mm = step.plan, MemoryModel()
-    ranks = range(plan.pipeline_depth)
-    params = [sum(s.param_bytes for s in plan.stages if s.rank == r) for r in ranks]
-    with_adam = list(plan.rank_memory) or [sum(s.peak_memory for s in plan.stages if s.rank == r) for r in ranks]
+    """fnpipe's predictions: the step time (the planner's simulation) and each rank's peak bytes replayed
+    from its program (`step.memory()`: params, grads, buffers, temporaries; no optimizer is held here),
+    with the planner's memory model beside it (Adam state and its 10 % margin included, as it plans)."""
+    plan = step.plan
     return {"predicted_s": plan.predicted_step_time, "predicted_bubble": plan.bubble_fraction,
-            "predicted_peak_bytes_with_adam": with_adam,
-            "predicted_peak_bytes": [w - mm.optimizer_factor * p * (1 + mm.margin) for w, p in zip(with_adam, params)],
-            "predicted_stage_peak_sum": [sum(s.peak_memory for s in plan.stages if s.rank == r) for r in ranks],
+            "predicted_peak_bytes": [f.peak for f in step.memory()],
+            "planner_peak_bytes_with_adam_and_margin": list(plan.rank_memory),
             "stages": [{"index": s.index, "rank": s.rank, "eqns": [s.start, s.stop], "forward_s": s.forward_time,
                         "backward_s": s.backward_input_time + s.backward_weight_time, "params": s.num_params}
                        for s in plan.stages]}
 
 
-def alone_step(b: Bench, schedule: str) -> engine.Step:
+def alone_step(b: Bench, schedule: str, *, compiler: str = "fx") -> engine.Step:
     """fnpipe with one stage on this rank alone, inside a larger job (what parallelize does for world 1)."""
     from engine.planner import plan as make_plan
     from engine.step import Step, microbatch_example
     from engine.transport import Hub, LocalTransport
 
     dev = b.world.device
+    calibration = None
+    if b.args.calibrate:  # the table the pipelined runs loaded or made (rank 0 runs this alone)
+        from engine.step import calibration as calibrate_on
+
+        calibration = calibrate_on(engine.World(0, 1, 0, dev, False), b.loss_fn, b.params, (b.tokens, b.targets),
+                                   b.m, 1, b.args.calibrate)
     p = make_plan(b.loss_fn, b.params, b.tokens, b.targets, world_size=1, schedule=schedule, microbatches=b.m,
-                  device=dev.type)
+                  device=dev.type, calibration=calibration)
     graph = ir.trace(b.loss_fn, b.params, *microbatch_example((b.tokens, b.targets), b.m), device=dev)
-    step = Step(b.loss_fn, graph, p, engine.World(0, 1, 0, dev, False), LocalTransport(Hub(1, b.args.timeout), 0))
+    step = Step(b.loss_fn, graph, p, engine.World(0, 1, 0, dev, False), LocalTransport(Hub(1, b.args.timeout), 0),
+                compiler=compiler)
     step.verify()
     return step
 
 
-def run_fnpipe(b: Bench, schedule: str, *, alone: bool = False) -> None:
-    b.log(f"fnpipe {schedule}{' (one stage)' if alone else ''}: planning")
+def run_fnpipe(b: Bench, schedule: str, *, alone: bool = False, compiler: str = "fx") -> None:
+    label = schedule + ("+inductor" if compiler == "inductor" else "")
+    b.log(f"fnpipe {label}{' (one stage)' if alone else ''}: planning")
     t = time.perf_counter()
     if alone and b.world.size > 1:
-        step = alone_step(b, schedule)
+        step = alone_step(b, schedule, compiler=compiler)
     else:
         layout = {"dp": b.args.dp} if b.args.dp > 1 else {}
         if schedule == "interleaved-1f1b":
             layout["stages_per_rank"] = b.args.stages_per_rank
         step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
-                                  timeout=b.args.timeout, calibrate=b.args.calibrate or False, **layout)
+                                  timeout=b.args.timeout, calibrate=b.args.calibrate or False, compiler=compiler,
+                                  **layout)
     build_s = time.perf_counter() - t
     if b.rank0:
         print(step.plan, flush=True)
     local = step.shard(b.params)
     x, y = b.tokens.to(b.world.device), b.targets.to(b.world.device)
-    res = b.measure(lambda: step(local, x, y)[0], loss_of=float, label=f"fnpipe {schedule}", across_ranks=not alone)
+    res = b.measure(lambda: step(local, x, y)[0], loss_of=float, label=f"fnpipe {label}", across_ranks=not alone)
     p = 1 if alone else b.world.size
-    b.add("fnpipe", schedule if not alone else "1-stage", res, p, build_s=build_s, **predicted_peaks(step))
+    b.add("fnpipe", label if not alone else "1-stage", res, p, build_s=build_s, compiler=compiler,
+          **predicted_peaks(step))
     del step, local
     b.free()
 
 
-def run_grad(b: Bench) -> None:
-    """Plain torch.func.grad of the same loss over the same microbatches, grads accumulated, one device."""
-    b.log("plain torch.func.grad on one device")
+def grad_step(b: Bench) -> Callable[[], torch.Tensor]:
+    """Plain torch.func.grad of the same loss over the same microbatches, grads accumulated, one device:
+    a step function returning the summed loss."""
     dev, m = b.world.device, b.m
     params = pytree.tree_map(lambda t: t.to(dev), b.params)
     fn = torch.func.grad_and_value(lambda p, x, y: b.loss_fn(p, x, y) / m)
@@ -189,8 +213,12 @@ def run_grad(b: Bench) -> None:
             total += loss.detach().float()
         return total
 
-    b.add("torch", "grad", b.measure(one, loss_of=float, label="torch.func.grad", across_ranks=False), 1)
-    del params
+    return one
+
+
+def run_grad(b: Bench) -> None:
+    b.log("plain torch.func.grad on one device")
+    b.add("torch", "grad", b.measure(grad_step(b), loss_of=float, label="torch.func.grad", across_ranks=False), 1)
     b.free()
 
 
@@ -265,8 +293,6 @@ def finish(b: Bench) -> None:
 
 
 def vars_of(config: GPTConfig) -> dict[str, Any]:
-    import attrs
-
     return attrs.asdict(config)
 
 
@@ -285,15 +311,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--schedules", default="gpipe,1f1b,zb-h1,zbv", help="fnpipe schedules, comma separated")
-    ap.add_argument("--torch-schedules", default="1f1b,gpipe", help="PyTorch schedules (1f1b, gpipe)")
+    ap.add_argument("--inductor", default="", help="fnpipe schedules to run again with compiler='inductor' "
+                    "(stage programs compiled by torch.compile), comma separated")
+    ap.add_argument("--torch-schedules", default="1f1b,gpipe", help="PyTorch schedules, comma separated: "
+                    + ", ".join(torch_pp_baseline.SCHEDULES))
     ap.add_argument("--torch-first-blocks", type=int, default=None, help="blocks on PyTorch's first stage "
-                    "(default: half)")
+                    "when it has 2 stages (default: half)")
+    ap.add_argument("--torch-dp", type=int, default=None, help="PyTorch's data-parallel replicas (default: --dp)")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     ap.add_argument("--no-fnpipe", action="store_true", help="skip fnpipe")
     ap.add_argument("--no-one-gpu", action="store_true", help="skip the one-device runs in a multi-rank launch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dp", type=int, default=1, help="fnpipe data-parallel replicas (world = stages x dp)")
-    ap.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved-1f1b")
+    ap.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved-1f1b (fnpipe and PyTorch) "
+                    "and PyTorch's interleaved-zb")
+    ap.add_argument("--layers", type=int, default=None, help="override the config's block count (e.g. --tiny "
+                    "--layers 8 for 8 stages)")
     ap.add_argument("--calibrate", default=None, help="JSON path: time the model's ops once on rank 0 (kept "
                     "there for the other schedules) so fnpipe splits by measured costs")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds any collective may wait")
@@ -314,6 +347,10 @@ def main(argv: list[str] | None = None) -> None:
             b.sync_ranks()
     if world.size == 1 or args.single or not args.no_one_gpu:
         one_device_runs(b)
+    if world.size > 1 and not args.single:  # last: a compile per stage program, minutes
+        for s in [] if args.no_fnpipe else [x for x in args.inductor.split(",") if x]:
+            guarded(b, f"fnpipe {s}+inductor", lambda: run_fnpipe(b, s, compiler="inductor"))
+            b.sync_ranks()
     if b.rank0:
         finish(b)
     b.sync_ranks()

@@ -3,7 +3,8 @@
     PYTHONPATH=. python examples/train_gpt.py                                   # one process, no pipeline
     PYTHONPATH=. torchrun --nproc_per_node 2 --master-port 29512 examples/train_gpt.py --schedule zbv
     PYTHONPATH=. mpirun -n 2 python examples/train_gpt.py --schedule 1f1b --microbatches 8
-    # GPUs: NCCL and bf16; --size small (default with CUDA) or base (the benchmark's 16 x 2048 GPT)
+    # GPUs: NCCL and bf16; --size small (default with CUDA) or base (the benchmark's 16 x 2048 GPT);
+    # --compiler inductor compiles each stage program (a minute at the first step, faster steps after)
 
 The data is a learnable pattern: a fixed random successor for each of the first `--pattern-vocab` token
 ids, so each sequence is a walk `t, succ[t], succ[succ[t]], ...` from a random start. Cross-entropy starts
@@ -90,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16" if cuda else "float32")
+    ap.add_argument("--compiler", choices=("fx", "inductor"), default="fx",
+                    help="stage programs as generated fx code, or compiled by torch.compile at the first step")
     ap.add_argument("--pattern-vocab", type=int, default=512, help="token ids the synthetic walks use")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
@@ -112,7 +115,8 @@ def main() -> None:
     tokens, targets = loader.batch_at(0)
     params = init_params(config, dtype, "cpu", seed=args.seed)  # the same tree on every rank
     step = engine.parallelize(make_loss_fn(config), params, tokens, targets, schedule=args.schedule,
-                              microbatches=args.microbatches, stages=args.stages, dp=args.dp)
+                              microbatches=args.microbatches, stages=args.stages, dp=args.dp,
+                              compiler=args.compiler)
     params = step.shard(params)
     mine = [x for x in leaves(params) if x is not None]
     opt = torch.optim.AdamW(mine, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)

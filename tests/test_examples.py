@@ -1,0 +1,32 @@
+"""The example scripts run as a user runs them, and do what they say: examples/train_gpt.py learns."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+       "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_train_gpt_learns_on_two_ranks_under_mpirun(schedule: str) -> None:
+    """The tiny GPT on 2 ranks over gloo: the log's final loss is well below the first (the synthetic
+    walks are learnable), and every logged loss is finite."""
+    cmd = [str(ROOT / ".venv/bin/mpirun"), "-n", "2", "--oversubscribe", sys.executable,
+           str(ROOT / "examples/train_gpt.py"), "--tiny", "--steps", "40", "--schedule", schedule, "--log-every", "10"]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) ", out.stdout)]
+    assert len(losses) == 5, out.stdout[-2000:]
+    done = re.search(r"done in [\d.]+ s: loss ([\d.]+) -> ([\d.]+)", out.stdout)
+    assert done is not None, out.stdout[-2000:]
+    first, last = float(done[1]), float(done[2])
+    assert first == pytest.approx(losses[0]) and last < 0.8 * first, (first, last)
