@@ -24,7 +24,7 @@ def test_train_gpt_learns_on_two_ranks_under_mpirun(schedule: str) -> None:
            str(ROOT / "examples/train_gpt.py"), "--tiny", "--steps", "40", "--schedule", schedule, "--log-every", "10"]
     out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) ", out.stdout)]
+    losses = [float(x) for x in re.findall(r"^step +\d+/\d+ .*?loss (\d+\.\d+)", out.stdout, re.M)]
     assert len(losses) == 5, out.stdout[-2000:]
     done = re.search(r"done in [\d.]+ s: loss ([\d.]+) -> ([\d.]+)", out.stdout)
     assert done is not None, out.stdout[-2000:]
