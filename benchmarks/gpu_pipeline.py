@@ -42,7 +42,6 @@ from torch.utils import _pytree as pytree
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402
-import ir  # noqa: E402
 from benchmarks import bench_report, torch_pp_baseline  # noqa: E402
 from benchmarks.step_timer import Measurement, measure  # noqa: E402
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn  # noqa: E402
@@ -147,22 +146,24 @@ def predicted_peaks(step: engine.Step) -> dict[str, Any]:
 
 def alone_step(b: Bench, schedule: str, *, compiler: str = "fx") -> engine.Step:
     """fnpipe with one stage on this rank alone, inside a larger job (what parallelize does for world 1)."""
-    from engine.planner import plan as make_plan
-    from engine.step import Step, microbatch_example
-    from engine.transport import Hub, LocalTransport
+    from engine.execution.assemble import assemble
+    from engine.execution.step import Step
+    from engine.execution.transport import Hub, LocalTransport
+    from engine.planning.artifacts import Workshop
+    from engine.planning.search import search
 
     dev = b.world.device
+    workshop = Workshop(b.loss_fn, b.params, (b.tokens, b.targets), device=dev.type)
     calibration = None
     if b.args.calibrate:  # the table the pipelined runs loaded or made (rank 0 runs this alone)
-        from engine.step import calibration as calibrate_on
+        from engine.parallelize import calibration as calibrate_on
 
-        calibration = calibrate_on(engine.World(0, 1, 0, dev, False), b.loss_fn, b.params, (b.tokens, b.targets),
-                                   b.m, 1, b.args.calibrate)
-    p = make_plan(b.loss_fn, b.params, b.tokens, b.targets, world_size=1, schedule=schedule, microbatches=b.m,
-                  device=dev.type, calibration=calibration)
-    graph = ir.trace(b.loss_fn, b.params, *microbatch_example((b.tokens, b.targets), b.m), device=dev)
-    step = Step(b.loss_fn, graph, p, engine.World(0, 1, 0, dev, False), LocalTransport(Hub(1, b.args.timeout), 0),
-                compiler=compiler)
+        calibration = calibrate_on(engine.World(0, 1, 0, dev, False), workshop, b.args.calibrate, microbatches=b.m,
+                                   dp=1)
+    planned = search(b.loss_fn, b.params, b.tokens, b.targets, world_size=1, schedule=schedule, microbatches=b.m,
+                     device=dev.type, calibration=calibration, workshop=workshop)
+    step = Step(planned, engine.World(0, 1, 0, dev, False), LocalTransport(Hub(1, b.args.timeout), 0),
+                compiler=compiler, program=assemble(planned, 0))
     step.verify()
     return step
 

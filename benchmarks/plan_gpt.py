@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ir  # noqa: E402
 
-from engine.calibrate import Calibration, calibrate_training  # noqa: E402
-from engine.memory import MemoryModel  # noqa: E402
-from engine.planner import plan  # noqa: E402
+from engine.planning.calibration import Calibration, calibrate_training  # noqa: E402
+from engine.planning.memory import MemoryModel  # noqa: E402
+from engine.planning.search import plan  # noqa: E402
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn  # noqa: E402
 
 GPT_1B = GPTConfig(vocab_size=50304, seq_len=1024, d_model=2048, n_layers=18, head_dim=128)

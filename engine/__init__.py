@@ -1,18 +1,28 @@
-"""fnpipe's engine: planning, per-rank programs, the runtime, launch, and the public `parallelize`."""
+"""fnpipe's engine: planning (engine.planning), per-rank programs and their execution (engine.execution),
+training utilities (engine.training), and the public `parallelize` that strings them together.
+
+Read ARCHITECTURE.md at the repository root first: the data flow and where each kind of change goes.
+"""
 from __future__ import annotations
 
-from . import checkpoint, logs, optim, plancache, precision, progress, report  # logs applies ENGINE_LOG_LEVEL*
-from .checkpoint import CheckpointError
+from . import logs, progress, report  # logs applies ENGINE_LOG_LEVEL*
 from .errors import CommTimeoutError, EngineError, PlanError, RuntimeMismatchError, SplitError
-from .footprint import Footprint, footprint
-from .instructions import CommOp, Instr, Program
-from .launch import World, init
-from .module import ModuleError, functionalize
-from .plan import Plan, StagePlan
-from .planner import plan
-from .precision import mixed_precision
-from .plancache import PlanCacheError
-from .step import Step, parallelize
+from .execution.footprint import Footprint, footprint
+from .execution.launch import World, init
+from .execution.program import CommOp, Instr, Program
+from .execution.step import Step
+from .parallelize import parallelize
+from .planning import cache as plancache
+from .planning.cache import PlanCacheError
+from .planning.plan import Plan, StagePlan
+from .planning.search import plan
+from .training import checkpoint, optim, precision
+from .training.checkpoint import CheckpointError
+from .training.module import ModuleError, functionalize
+from .training.precision import mixed_precision
+from . import _compat
+
+_compat.install()
 
 __all__ = [
     "CheckpointError", "CommOp", "CommTimeoutError", "EngineError", "Footprint", "Instr", "ModuleError", "Plan", "PlanCacheError",

@@ -22,9 +22,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .instructions import COMPUTE, SHORT
-from .plan import Plan
-from .tracing import Span, stage_times
+from .execution.program import COMPUTE, SHORT
+from .planning.plan import Plan
+from .execution.spans import Span, stage_times
 
 log = logging.getLogger("engine.report")
 KINDS = tuple(SHORT.items())  # (instruction kind, its letter as a schedule action)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine  # noqa: E402
 import ir  # noqa: E402
 import schedules  # noqa: E402
-from engine.tracing import render_spans, save_perfetto  # noqa: E402
+from engine.execution.spans import render_spans, save_perfetto  # noqa: E402
 from examples.gpt_model import GPTConfig, init_params, make_loss_fn  # noqa: E402
 from examples.train_gpt import PatternLoader  # noqa: E402
 

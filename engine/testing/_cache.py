@@ -1,4 +1,4 @@
-"""Caches for the harness: tracing and stage autodiff cost far more than running a tiny model's step."""
+"""The harness's cache of Workshops: tracing and stage autodiff cost far more than a tiny model's step."""
 from __future__ import annotations
 
 import collections
@@ -9,10 +9,9 @@ from torch.utils import _pytree as pytree
 
 import ir
 
-from ..emit import StageInfo
+from ..planning.artifacts import Workshop
 
-GRAPHS_SIZE = 64
-STAGES_SIZE = 2048  # a stage's slice and autodiff depend on its first and end equation alone
+WORKSHOPS_SIZE = 64
 
 
 class _LRU(collections.OrderedDict):
@@ -20,8 +19,8 @@ class _LRU(collections.OrderedDict):
         super().__init__()
         self.size = size
 
-    def get_or(self, key: Any, make: Callable[[], Any], valid: Callable[[Any], bool] = lambda _: True) -> Any:
-        if key in self and valid(self[key]):
+    def get_or(self, key: Any, make: Callable[[], Any]) -> Any:
+        if key in self:
             self.move_to_end(key)
             return self[key]
         value = self[key] = make()
@@ -30,7 +29,7 @@ class _LRU(collections.OrderedDict):
         return value
 
 
-_GRAPHS, _STAGES = _LRU(GRAPHS_SIZE), _LRU(STAGES_SIZE)
+_WORKSHOPS = _LRU(WORKSHOPS_SIZE)
 
 
 def _avals(tree: Any) -> tuple[Any, ...]:
@@ -38,25 +37,13 @@ def _avals(tree: Any) -> tuple[Any, ...]:
     return (spec, *((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves))
 
 
-def graph_of(fn: Callable, params: Any, batch: Sequence[Any]) -> ir.Graph:
-    """`ir.trace(fn, params, *batch)` on CPU, cached by `fn` and the shapes and dtypes of the arguments."""
-    return _GRAPHS.get_or((fn, _avals((params, *batch))), lambda: ir.trace(fn, params, *batch, device="cpu"))
+def workshop_of(fn: Callable, params: Any, batch: Sequence[Any]) -> Workshop:
+    """The CPU Workshop of `fn` on arguments of these shapes and dtypes (`batch`: the full batch), kept
+    across checks, so every microbatch size is traced once and every stage differentiated once."""
+    return _WORKSHOPS.get_or((fn, _avals((params, *batch))), lambda: Workshop(fn, params, batch, device="cpu"))
 
 
-def _signature(st: ir.Stage) -> tuple[Any, ...]:
-    return (st.start, st.stop, st.param_ids, st.batch_ids, st.acts_in, st.acts_out)
-
-
-def stage_infos(graph: ir.Graph, cuts: Sequence[int]) -> list[StageInfo]:
-    """`engine.step.stage_infos` on CPU, reusing the autodiff of every stage whose bounds were seen before."""
-    out = []
-    for st in ir.split(graph, cuts):
-        def make(st: ir.Stage = st) -> tuple[Any, ...]:
-            const = range(len(st.param_ids), len(st.param_ids) + len(st.batch_ids))
-            return graph, _signature(st), ir.stage_autodiff(st.graph, constant=const, device="cpu")
-
-        # The entry keeps its graph alive, so id(graph) cannot be reused while the entry exists.
-        hit = _STAGES.get_or((id(graph), st.start, st.stop), make,
-                             valid=lambda h, st=st: h[0] is graph and h[1] == _signature(st))
-        out.append(StageInfo(st, hit[2]))
-    return out
+def graph_of(fn: Callable, params: Any, batch: Sequence[Any], parts: int = 1) -> ir.Graph:
+    """The graph of one of `parts` equal microbatches of `batch` (the whole of it by default)."""
+    rows = int(pytree.tree_leaves(tuple(batch))[0].shape[0])
+    return workshop_of(fn, params, batch).graph(rows // parts)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..instructions import Instr
+from ..execution.program import Instr
 
 __all__ = ["SKIP", "DropWeightGrad", "Fault", "ScaleGrad", "StaleActivation", "SwapMicrobatches"]
 

@@ -30,16 +30,15 @@ from torch.utils import _pytree as pytree
 
 import schedules
 
-from ..emit import emit
 from ..errors import CommTimeoutError
-from ..inprocess import run_steps
-from ..launch import World
-from ..plan import Plan
-from ..planner import MULTI_STAGE_SCHEDULES
-from ..runtime import Hook
-from ..step import Step, build_programs, microbatch_example
-from ..transport import DeadlockError, Hub, LocalTransport
-from ._cache import graph_of, stage_infos
+from ..execution.executor import Hook
+from ..execution.inprocess import run_steps, steps_of
+from ..execution.step import Step
+from ..execution.transport import DeadlockError
+from ..planning.artifacts import lowered_table, planned_from
+from ..planning.candidates import MULTI_STAGE_SCHEDULES
+from ..planning.plan import Plan
+from ._cache import graph_of, workshop_of
 from .mismatch import LeafDiff, ParallelDeadlock, ParallelMismatch, compare_leaves, format_failure, headline
 from .models import ModelCase
 from .plans import PlanSpec
@@ -112,21 +111,12 @@ def _one_thread_per_rank() -> Iterator[None]:
 
 def inprocess_steps(fn: Callable, params: Any, batch: Sequence[Any], plan: Plan, *, hook: Hook | None = None,
                     timeout: float = 60.0) -> tuple[Step, ...]:
-    """Like `engine.inprocess.build_steps`, with the trace and stage autodiff cached across calls. A schedule
-    whose table is already lowered (it holds SEND/RECV actions) is emitted as written, without
-    `schedules.validate`, so the runtime itself shows what such a table does (a deadlock, say)."""
-    graph = graph_of(fn, params, microbatch_example(batch, plan.microbatches * plan.dp))
-    infos = stage_infos(graph, plan.cuts)
-    table = plan.table()
-    if table.is_lowered:
-        programs = (table, [emit(infos, table, world_rank=r, dp=plan.dp, num_params=graph.num_params)
-                            for r in range(plan.world_size)])
-    else:
-        programs = build_programs(infos, plan, graph.num_params)
-    hub = Hub(plan.world_size, timeout)
-    return tuple(Step(fn, graph, plan, World(r, plan.world_size, r, torch.device("cpu"), False),
-                      LocalTransport(hub, r), hook=hook, infos=infos, programs=programs)
-                 for r in range(plan.world_size))
+    """`engine.execution.inprocess.build_steps` with the model's Workshop kept across calls (each microbatch
+    size traced once, each stage differentiated once). A schedule whose table is already lowered (it holds
+    SEND/RECV actions) is emitted as written, without `schedules.validate`, so the runtime itself shows
+    what such a table does (a deadlock, say)."""
+    planned = planned_from(plan, workshop_of(fn, params, batch), table=lowered_table(plan, trust_lowered=True))
+    return steps_of(planned, timeout=timeout, hook=hook)
 
 
 def _diagnose(table: schedules.Table) -> str:
@@ -210,7 +200,7 @@ def assert_parallel_equivalent(fn: Callable | ModelCase, params: Any = None, *ba
 def _as_spec(plan: PlanSpec | Plan | None, schedule: str, stages: int | None, microbatches: int | None,
              dp: int | None, stages_per_rank: int | None, cuts: Sequence[int] | None, batch: Sequence[Any],
              distributed: bool, timeout: float) -> PlanSpec:
-    from .. import launch
+    from ..execution import launch
 
     world = launch.init(timeout).size if distributed else None
     if isinstance(plan, Plan):
@@ -284,7 +274,7 @@ class _Check:
         assert spec is not None
         cuts = None
         if spec.cuts is not None or spec.weights is not None:
-            graph = graph_of(self.fn, self.params, microbatch_example(self.batch, spec.microbatches * spec.dp))
+            graph = graph_of(self.fn, self.params, self.batch, spec.microbatches * spec.dp)
             cuts = spec.resolve_cuts(len(graph.eqns))
         step = engine.parallelize(self.fn, self.params, *self.batch, schedule=spec.schedule,
                                   microbatches=spec.microbatches, stages=spec.stages, dp=spec.dp,

@@ -26,8 +26,8 @@ import ir
 import schedules as _schedules
 
 from ..errors import PlanError
-from ..plan import Plan, StagePlan
-from ..planner import MULTI_STAGE_SCHEDULES
+from ..planning.plan import Plan, StagePlan
+from ..planning.candidates import MULTI_STAGE_SCHEDULES
 
 __all__ = ["CUT_MODES", "PlanSpec", "default_world_sizes", "cut_points", "models_and_plans", "plans", "weights_to_cuts"]
 
@@ -108,17 +108,16 @@ class PlanSpec:
         """The engine.Plan of this spec for `fn(params, *batch)` (`batch` is the full batch). Without cuts or
         weights the planner's splitter chooses them; with them the Plan is built directly (no costs, ~100x
         faster), or by the planner given the cuts when `planner` is set (as `engine.parallelize` does)."""
-        from ..planner import plan as make_plan
-        from ..step import microbatch_example
-        from ._cache import graph_of
+        from ..planning.search import search
+        from ._cache import graph_of, workshop_of
 
         parts = self.microbatches * self.dp
-        graph = graph_of(fn, params, microbatch_example(batch, parts))
+        graph = graph_of(fn, params, batch, parts)
         cuts = self.resolve_cuts(len(graph.eqns))
         if cuts is None or planner:
-            return make_plan(fn, params, *batch, world_size=self.world_size, schedule=self.schedule, stages=self.stages,
-                             dp=self.dp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank,
-                             cuts=cuts or None)
+            return search(fn, params, *batch, world_size=self.world_size, schedule=self.schedule, stages=self.stages,
+                          dp=self.dp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank,
+                          cuts=cuts or None, workshop=workshop_of(fn, params, batch)).plan
         return _hand_plan(self, graph, cuts, _batch_size(batch) // parts)
 
 
@@ -231,7 +230,6 @@ def models_and_plans(draw: Any, cases: st.SearchStrategy[Any] | None = None,
     """`(case, spec)`: a `ModelCase` from `cases` (default `models()`) and a plan fitted to it: microbatches x
     dp divide its batch, and drawn cuts are equation indices of its microbatch graph (traced once here, at
     the plan's microbatch size, so the harness finds it cached). `plan_options` go to `plans`."""
-    from ..step import microbatch_example
     from ._cache import graph_of
     from .models import models
 
@@ -239,6 +237,6 @@ def models_and_plans(draw: Any, cases: st.SearchStrategy[Any] | None = None,
     spec = draw(plans(batch_size=_batch_size(case.batch), **plan_options))
     if spec.weights is None:
         return case, spec
-    graph = graph_of(case.fn, case.params, microbatch_example(case.batch, spec.microbatches * spec.dp))
+    graph = graph_of(case.fn, case.params, case.batch, spec.microbatches * spec.dp)
     assume(spec.stages <= len(graph.eqns))
     return case, attrs.evolve(spec, weights=None, cuts=draw(cut_points(spec.stages, len(graph.eqns))))

@@ -15,8 +15,8 @@ from torch.utils import _pytree as pytree
 
 from engine import checkpoint, optim
 from engine.checkpoint import CheckpointError
-from engine.inprocess import build_steps, run_steps
-from engine.plan import Plan, StagePlan
+from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.plan import Plan, StagePlan
 from test_optim import on_ranks
 from tests.mpi import models
 

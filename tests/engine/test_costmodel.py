@@ -7,13 +7,13 @@ import torch
 
 import ir
 import schedules
-from engine.blocks import coarsen, crossing_bytes, module_cuts
-from engine.calibrate import Calibration, calibrate, signature
-from engine.costmodel import CostModel, backward_estimates
-from engine.devices import H100, H200, LINKS, get_device, get_link
+from engine.planning.blocks import coarsen, crossing_bytes, module_cuts
+from engine.planning.calibration import Calibration, calibrate, signature
+from engine.planning.op_costs import CostModel, backward_estimates
+from engine.planning.devices import H100, H200, LINKS, get_device, get_link
 from engine.errors import PlanError
-from engine.memory import MemoryModel, StageMemory, live_trace, peak_live, rank_peaks, rank_static, stage_peaks
-from engine.stagecost import transient_bytes
+from engine.planning.memory import MemoryModel, StageMemory, live_trace, peak_live, rank_peaks, rank_static, stage_peaks
+from engine.planning.stage_costs import transient_bytes
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
 H100_MODEL = CostModel(H100, LINKS["nvlink"])
@@ -101,19 +101,21 @@ def test_calibration_times_each_signature_once_and_overrides_the_roofline(tmp_pa
 
 def test_a_saved_calibration_is_completed_for_new_microbatch_shapes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A table saved for one microbatch size lacks the shapes of another: they are timed, not guessed."""
-    from engine.launch import World
-    from engine.step import calibration, microbatch_example
+    from engine.execution.launch import World
+    from engine.execution.step import microbatch_example
+    from engine.parallelize import calibration
+    from engine.planning.artifacts import Workshop
 
     params = {"layers": [torch.randn(64, 64) for _ in range(2)]}
     x = torch.randn(32, 64)
     world, path = World(0, 1, 0, torch.device("cpu"), False), tmp_path / "cal.json"
-    first = calibration(world, _mlp, params, (x,), 2, 1, path)
-    grown = calibration(world, _mlp, params, (x,), 4, 1, path)
+    first = calibration(world, Workshop(_mlp, params, (x,)), path, microbatches=2, dp=1)
+    grown = calibration(world, Workshop(_mlp, params, (x,)), path, microbatches=4, dp=1)
     assert set(first.times) < set(grown.times) and Calibration.load(path) == grown
     g4 = ir.trace(_mlp, params, *microbatch_example((x,), 4))
     costly = [e for e in g4.eqns if ir.eqn_cost(e).flops or ir.eqn_cost(e).bytes]
     assert costly and all(signature(e) in grown.times for e in costly)
-    assert calibration(world, _mlp, params, (x,), 4, 1, path) == grown  # nothing new: the file is reused
+    assert calibration(world, Workshop(_mlp, params, (x,)), path, microbatches=4, dp=1) == grown  # nothing new: the file is reused
 
 
 def _one_f_one_b(p: int, m: int) -> schedules.Table:
@@ -182,7 +184,7 @@ def test_calibration_signature_ignores_the_device_index():
     """Ranks trace on cuda:0, cuda:1, ...; a factory op's device argument must not split their tables
     (different tables would give ranks different plans)."""
     import ir as _ir
-    from engine.calibrate import signature
+    from engine.planning.calibration import signature
 
     out = _ir.Var(_ir.AbstractValue((4,), torch.float32, "cuda:0"))
     make = lambda index: _ir.Eqn("aten.zeros.default", ([4],), (("device", torch.device("cuda", index)),), (out,))  # noqa: E731
@@ -209,7 +211,7 @@ def test_the_program_scale_is_measured_saved_and_multiplies_every_calibrated_tim
     """calibrate_training times each op and each weight grad's accumulation, then runs the whole forward
     and backward on the real inputs and keeps measured / summed times; the cost model scales calibrated
     times by it (roofline ones stay as they are)."""
-    from engine.calibrate import accumulate_signature, calibrate_training
+    from engine.planning.calibration import accumulate_signature, calibrate_training
 
     params = {"layers": [torch.randn(64, 64) for _ in range(3)]}
     x = torch.randn(32, 64)
@@ -236,7 +238,7 @@ def test_the_program_scale_is_measured_saved_and_multiplies_every_calibrated_tim
 def test_weight_grad_accumulation_is_charged_to_w() -> None:
     """Every microbatch adds each weight grad into its accumulator: W's time includes 3 x bytes / bandwidth
     per float param leaf (read grad and accumulator, write accumulator) on the roofline."""
-    from engine.stagecost import exact
+    from engine.planning.stage_costs import exact
 
     params = {"layers": [torch.randn(64, 64) for _ in range(2)]}
     g = _graph(_mlp, params, torch.randn(32, 64))
@@ -248,7 +250,7 @@ def test_weight_grad_accumulation_is_charged_to_w() -> None:
 
 
 def test_a_program_too_large_for_the_device_leaves_the_scale_at_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import engine.calibrate as calibrate_module
+    import engine.planning.calibration as calibrate_module
 
     params = {"layers": [torch.randn(64, 64) for _ in range(2)]}
     x = torch.randn(32, 64)

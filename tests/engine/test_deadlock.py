@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import schedules
-from engine.inprocess import run_steps
+from engine.execution.inprocess import run_steps
 from engine.testing import ParallelDeadlock, PlanSpec, assert_parallel_equivalent
 from engine.testing.harness import inprocess_steps
-from engine.transport import DeadlockError
+from engine.execution.transport import DeadlockError
 from schedules import ScheduleError, Table, registry
 
 # Each rank consumes what it receives before it sends what the other waits for: rank 0 needs stage 1's

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine
-from engine.memory import MemoryModel
+from engine.planning.memory import MemoryModel
 from tests.cpu_allocator import allocator_peak
 
 D, H, L, B = 128, 512, 4, 64
@@ -52,7 +52,7 @@ def test_each_rank_of_a_pipeline_agrees_with_the_planner_memory_model() -> None:
     for schedule in ("1f1b", "gpipe", "zb-h1", "zbv"):
         plan = engine.plan(fn, params, x, y, world_size=2, schedule=schedule, microbatches=4,
                            memory_model=MemoryModel(optimizer_factor=0.0, margin=0.0))
-        from engine.inprocess import build_steps
+        from engine.execution.inprocess import build_steps
 
         steps = build_steps(fn, params, (x, y), plan)
         replayed = [f.peak for f in steps[0].memory()]

@@ -12,11 +12,11 @@ import engine
 import ir
 import schedules
 from engine import PlanError, RuntimeMismatchError, SplitError
-from engine.inprocess import build_steps
-from engine.plan import Plan, StagePlan
-from engine.planner import plan
-from engine.step import Step
-from engine.transport import Hub, LocalTransport
+from engine.execution.inprocess import build_steps
+from engine.planning.plan import Plan, StagePlan
+from engine.planning.search import plan
+from engine.execution.step import Step
+from engine.execution.transport import Hub, LocalTransport
 from tests.mpi import models
 
 PARAMS = models.init_params(layers=4)
@@ -148,8 +148,7 @@ def test_params_tree_with_the_wrong_leaf_count(step: engine.Step) -> None:
 def verify_all(steps: list[Step]) -> list[BaseException | None]:
     """Every rank's `verify` at once, in threads sharing one hub (as ranks would over the network)."""
     hub = Hub(len(steps), timeout=30.0)
-    mixed = [Step(s.fn, s.graph, s.plan, s.world, LocalTransport(hub, r), infos=s.infos, programs=(s.table, s.programs))
-             for r, s in enumerate(steps)]
+    mixed = [Step(s.planned, s.world, LocalTransport(hub, r), program=s.program) for r, s in enumerate(steps)]
     errors: list[BaseException | None] = [None] * len(mixed)
 
     def work(r: int) -> None:
@@ -184,15 +183,25 @@ def test_ranks_with_different_plans_refuse_to_run(two_plans) -> None:
     for err in errors:  # both ranks refuse, so neither waits forever on the other's first message
         assert isinstance(err, RuntimeMismatchError), errors
         msg = str(err)
-        assert "ranks [1] built a different plan or program than rank 0" in msg
+        assert "ranks [1] built a different plan than rank 0" in msg
         assert "every rank must call parallelize with the same function, shapes, dtypes and options" in msg
 
 
 def test_ranks_with_the_same_plan_but_a_different_program_refuse_to_run(two_plans) -> None:
     ones, _ = two_plans
-    edited = list(ones[1].programs)
-    edited[1] = attrs.evolve(edited[1], instrs=edited[1].instrs[:-1])  # rank 1's program lost its last instruction
     odd = ones[1]
-    bad = Step(odd.fn, odd.graph, odd.plan, odd.world, odd.transport, infos=odd.infos, programs=(odd.table, edited))
+    edited = attrs.evolve(odd.program, instrs=odd.program.instrs[:-1])  # rank 1's program lost its last instruction
+    bad = Step(odd.planned, odd.world, odd.transport, program=edited)
     errors = verify_all([ones[0], bad])
-    assert all(isinstance(e, RuntimeMismatchError) and "ranks [1] built a different" in str(e) for e in errors), errors
+    assert all(isinstance(e, RuntimeMismatchError) and "the ranks' programs do not fit together: ranks [0] and [1] "
+               "join the sums of group [0, 1] differently" in str(e) for e in errors), errors
+
+
+def test_ranks_whose_transfers_do_not_meet_refuse_to_run(two_plans) -> None:
+    """Each rank emits only its own program; they still check each other's: a send no receive meets."""
+    ones, _ = two_plans
+    odd = ones[0]
+    comms = [k for k, ins in enumerate(odd.program.instrs) if ins.kind == "comm"]
+    edited = attrs.evolve(odd.program, instrs=tuple(ins for k, ins in enumerate(odd.program.instrs) if k != comms[0]))
+    errors = verify_all([Step(odd.planned, odd.world, odd.transport, program=edited), ones[1]])
+    assert all(isinstance(e, RuntimeMismatchError) and "does not receive" in str(e) for e in errors), errors

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import ir
-from engine.inprocess import build_steps, run_steps
-from engine.module import ModuleError, flat_names, functionalize, load_into
-from engine.plan import Plan, StagePlan
+from engine.execution.inprocess import build_steps, run_steps
+from engine.training.module import ModuleError, flat_names, functionalize, load_into
+from engine.planning.plan import Plan, StagePlan
 from engine.testing import max_relative_error
 
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 import ir
-from engine.planner import plan
-from engine.step import microbatch_example
+from engine.planning.search import plan
+from engine.execution.step import microbatch_example
 from tests.mpi import equivalence, launchers, models
 from tests.mpi.jobs import BIN, free_port, job_env, launch
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from engine import logs, progress, report
-from engine.inprocess import build_steps, run_steps
-from engine.plan import Plan
-from engine.planner import plan
-from engine.tracing import Tracer, save_perfetto
+from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.plan import Plan
+from engine.planning.search import plan
+from engine.execution.spans import Tracer, save_perfetto
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
 ROOT = Path(__file__).resolve().parents[2]

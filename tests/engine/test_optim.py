@@ -10,8 +10,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from engine import optim
-from engine.inprocess import build_steps, run_steps
-from engine.plan import Plan, StagePlan
+from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.plan import Plan, StagePlan
 from engine.testing import max_relative_error
 from tests.mpi import models
 

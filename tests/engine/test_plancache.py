@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-import engine.planner
+import engine.planning.search
 from engine import plancache
-from engine.inprocess import build_steps
+from engine.execution.inprocess import build_steps
 from engine.plancache import PlanCacheError
+from engine.planning.plan import fingerprint
 from tests.mpi import models
 
 ARGS = dict(world_size=2, schedule="1f1b", stages=2, microbatches=2, cuts=(14,))
@@ -25,7 +26,7 @@ def test_rerun_loads_the_plan_without_planning(tmp_path, monkeypatch):
     def no_planning(*a, **kw):
         raise AssertionError("planned although the cache holds the plan")
 
-    monkeypatch.setattr(engine.planner, "plan", no_planning)
+    monkeypatch.setattr(engine.planning.search, "search", no_planning)
     again = plancache.load_or_plan(tmp_path, *inputs(), **ARGS)
     assert again.hit and again.plan == first.plan and again.path == first.path
 
@@ -58,7 +59,7 @@ def test_deployment_file_is_refused_naming_what_differs(tmp_path, monkeypatch):
 def test_programs_are_recorded_then_checked(tmp_path):
     fn, params, *batch = inputs()
     entry = plancache.load_or_plan(tmp_path, fn, params, *batch, **ARGS)
-    programs = build_steps(fn, params, batch, entry.plan)[0].programs
+    programs = [fingerprint(s.program.to_json()) for s in build_steps(fn, params, batch, entry.plan)]
     plancache.record_programs(entry, programs)
     again = plancache.load_or_plan(tmp_path, fn, params, *batch, **ARGS)
     assert again.programs == tuple(programs)

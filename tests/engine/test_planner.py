@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import ir
-from engine.blocks import crossing_bytes
+from engine.planning.blocks import crossing_bytes
 from engine.errors import PlanError, SplitError
-from engine.inprocess import build_steps, run_steps
-from engine.plan import Plan, StagePlan
-from engine.planner import plan
+from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.plan import Plan, StagePlan
+from engine.planning.search import plan
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
 # Big enough that matmuls, not launches, dominate on an H100 profile; only shapes exist (meta tensors).

@@ -10,9 +10,9 @@ from torch.utils import _pytree as pytree
 import engine
 import ir
 from engine.errors import PlanError
-from engine.inprocess import build_steps, run_steps
-from engine.plan import Plan, StagePlan
-from engine.planner import plan
+from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.plan import Plan, StagePlan
+from engine.planning.search import plan
 from engine.precision import mixed_precision
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 

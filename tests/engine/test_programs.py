@@ -10,11 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ir
+import schedules
 from engine import Plan, Program
-from engine.emit import StageInfo
-from engine.inprocess import build_steps, run_steps
-from engine.plan import StagePlan
-from engine.step import build_programs, stage_infos
+from engine.execution.emit import StageInfo
+from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.plan import StagePlan
+from engine.execution.assemble import assemble
+from engine.planning.artifacts import Planned, lowered_table, stage_programs
 from tests.mpi import models
 
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1")
@@ -91,8 +93,7 @@ def graph() -> ir.Graph:
 def infos(num_stages: int) -> tuple[StageInfo, ...]:
     n = len(graph().eqns)
     cuts = tuple(round(n * k / num_stages) for k in range(1, num_stages))
-    return tuple(stage_infos(graph(), by_hand("gpipe", num_stages, num_stages, microbatches=1, cuts=cuts),
-                             torch.device("cpu")))
+    return stage_programs(graph(), cuts, device="cpu")
 
 
 def programs(schedule: str, depth: int, microbatches: int, dp: int = 1) -> list[Program]:
@@ -100,7 +101,13 @@ def programs(schedule: str, depth: int, microbatches: int, dp: int = 1) -> list[
     si = infos(stages)
     plan = by_hand(schedule, stages, depth, microbatches=microbatches, dp=dp,
                    cuts=tuple(s.stage.start for s in si[1:]))
-    return build_programs(si, plan, graph().num_params)[1]
+    return build_programs(si, plan)[1]
+
+
+def build_programs(si: tuple[StageInfo, ...], plan: Plan) -> tuple[schedules.Table, list[Program]]:
+    """The plan's lowered table and every rank's program, each assembled as a rank assembles its own."""
+    planned = Planned(plan, graph(), si, lowered_table(plan))
+    return planned.table, [assemble(planned, r) for r in range(plan.world_size)]
 
 
 @st.composite
@@ -223,7 +230,7 @@ def test_the_schedules_agree_on_what_the_table_says() -> None:
         stages = 4 if schedule in TWO_STAGES_PER_RANK else 2
         si = infos(stages)
         plan = by_hand(schedule, stages, 2, microbatches=4, cuts=tuple(s.stage.start for s in si[1:]))
-        table, progs = build_programs(si, plan, graph().num_params)
+        table, progs = build_programs(si, plan)
         for rank, prog in enumerate(progs):
             forwards = [(a.stage, a.microbatch) for a in table.rows[rank] if a.kind == "F"]
             assert [(i.stage, i.mb) for i in prog.instrs if i.kind == "forward"] == forwards, schedule

@@ -9,15 +9,15 @@ from torch.utils import _pytree as pytree
 
 import ir
 import schedules
-from engine.costmodel import CostModel
-from engine.devices import get_device, get_link
+from engine.planning.op_costs import CostModel
+from engine.planning.devices import get_device, get_link
 from engine.errors import PlanError, SplitError
-from engine.inprocess import build_steps, run_steps
-from engine.memory import MemoryModel, stage_peaks
-from engine.plan import Plan, StagePlan
-from engine.planner import plan
-from engine.stagecost import exact, schedule_costs
-from engine.step import stage_infos
+from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.memory import MemoryModel, stage_peaks
+from engine.planning.plan import Plan, StagePlan
+from engine.planning.search import plan
+from engine.planning.stage_costs import exact, schedule_costs
+from engine.planning.artifacts import stage_programs
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
@@ -50,8 +50,8 @@ def test_recompute_grads_equal_torch_func_grad(schedule: str, recompute: tuple[b
 def test_saved_bytes_fall_and_backward_redoes_the_forward() -> None:
     params, batch = init_params(TINY, torch.float32), example_batch(TINY, 2)
     graph = ir.trace(make_loss_fn(TINY), params, *batch)
-    plain = stage_infos(graph, _hand_plan(graph, "1f1b", (False,) * 3), torch.device("cpu"))
-    redo = stage_infos(graph, _hand_plan(graph, "1f1b", (True,) * 3), torch.device("cpu"))
+    plain = stage_programs(graph, _hand_plan(graph, "1f1b", (False,) * 3).cuts, (False,) * 3, device="cpu")
+    redo = stage_programs(graph, _hand_plan(graph, "1f1b", (True,) * 3).cuts, (True,) * 3, device="cpu")
     for a, b in zip(plain, redo):
         assert a.ad.saved_bytes() > 0 and b.ad.saved_bytes() == 0
         # F keeps only what it sends on; B now runs F's matmuls again

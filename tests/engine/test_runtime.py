@@ -10,10 +10,10 @@ import torch
 import ir
 
 from engine import CommTimeoutError
-from engine.inprocess import build_steps, run_steps
-from engine.instructions import COMPUTE
-from engine.plan import Plan, StagePlan
-from engine.transport import DistTransport
+from engine.execution.inprocess import build_steps, run_steps
+from engine.execution.program import COMPUTE
+from engine.planning.plan import Plan, StagePlan
+from engine.execution.transport import DistTransport
 from tests.mpi import models
 
 PARAMS = models.init_params(layers=4)

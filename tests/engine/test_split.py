@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import SplitError
-from engine.memory import MemoryModel
-from engine.split import BlockCosts, Partition, partition, split_costs
+from engine.planning.memory import MemoryModel
+from engine.planning.split import BlockCosts, Partition, partition, split_costs
 
 MEMORY = MemoryModel(optimizer_factor=2.0, margin=0.1)
 

@@ -45,7 +45,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 import ir
 
-from .errors import EngineError
+from ..errors import EngineError
 
 __all__ = ["ModuleError", "check_module", "flat_names", "functionalize", "load_into"]
 

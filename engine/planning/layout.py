@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from .errors import PlanError
+from ..errors import PlanError
 
 AUTO = "auto"
 MAX_MICROBATCHES_PER_STAGE = 8  # "auto" tries m in [p, 8p]: past that the bubble gain is under 1/8

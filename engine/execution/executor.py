@@ -9,8 +9,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 import ir
 
 from .emit import StageInfo
-from .instructions import COMPUTE, Instr, Program
-from .tracing import Tracer
+from .program import COMPUTE, Instr, Program
+from .spans import Tracer
 from .transport import Transport
 
 Hook = Callable[["Executor", Instr], "str | None"]  # return "skip" to skip the instruction (test faults)

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from .instructions import COMPUTE, SHORT, Instr
+from .program import COMPUTE, SHORT, Instr
 
 
 @attrs.frozen

@@ -1,6 +1,7 @@
 """The Plan: how a model graph is cut into stages and laid out on ranks, with its predictions."""
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -8,8 +9,8 @@ import attrs
 
 import schedules
 
-from .errors import PlanError
-from .names import abbreviate
+from ..errors import PlanError
+from ..names import abbreviate
 
 
 @attrs.frozen
@@ -133,3 +134,9 @@ def format_plan(plan: Plan) -> str:
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
     return "\n".join(lines)
+
+
+def fingerprint(items: Any) -> str:
+    """sha256 of the JSON of plans/programs: equal on every rank or the run refuses to start."""
+    text = json.dumps(items, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

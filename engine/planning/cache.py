@@ -9,8 +9,8 @@ option. `load_or_plan(cache, ...)` takes either
   - a `.json` file (a deployment file you keep or ship): used if its key matches, refused with a
     PlanCacheError naming every field that differs if not, written if absent.
 
-Entries are JSON (never pickle), written atomically, and hold the programs once a Step has emitted
-them (`record_programs`), so a later run can check that it emits the same ones.
+Entries are JSON (never pickle), written atomically, and hold each rank's program fingerprint once a
+job has emitted them (`record_programs`), so a later run can check that it emits the same programs.
 """
 from __future__ import annotations
 
@@ -26,15 +26,16 @@ import attrs
 
 import ir
 
-from .costmodel import graph_hash
-from .errors import EngineError
-from .instructions import Program, fingerprint
-from .plan import Plan
+from .op_costs import graph_hash
+from ..errors import EngineError
+from ..version import fnpipe_version
+from .artifacts import Planned, Workshop
+from .plan import Plan, fingerprint
 
 __all__ = ["CacheKey", "CachedPlan", "PlanCacheError", "cache_key", "entry_path", "fnpipe_version", "load",
            "load_or_plan", "record_programs", "save"]
 
-FORMAT = "fnpipe-plan/1"
+FORMAT = "fnpipe-plan/2"  # 2: programs are recorded as per-rank fingerprints
 log = logging.getLogger("engine.plancache")
 
 
@@ -81,22 +82,8 @@ class CachedPlan:
     key: CacheKey
     path: Path
     hit: bool
-    programs: tuple[Program, ...] | None = None
-
-
-def fnpipe_version() -> str:
-    """The installed fnpipe's version, or the checkout's pyproject version."""
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("fnpipe")
-    except importlib.metadata.PackageNotFoundError:
-        import tomllib
-
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-        if pyproject.exists():
-            return tomllib.loads(pyproject.read_text())["project"]["version"]
-        return "unknown"
+    programs: tuple[str, ...] | None = None  # each world rank's program fingerprint, once recorded
+    planned: Planned | None = attrs.field(default=None, eq=False)  # on a miss: what planning computed
 
 
 def cache_key(fn: Any, params: Any, *example_batch: Any, world_size: int, schedule: str, **options: Any) -> CacheKey:
@@ -118,12 +105,12 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-def save(path: str | os.PathLike, key: CacheKey, plan: Plan, programs: Sequence[Program] | None = None) -> Path:
+def save(path: str | os.PathLike, key: CacheKey, plan: Plan, programs: Sequence[str] | None = None) -> Path:
     """Write the entry atomically (temp file, fsync, os.replace)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"format": FORMAT, "key": key.to_dict(), "plan": json.loads(plan.to_json()),
-            "programs": [json.loads(p.to_json()) for p in programs] if programs is not None else None}
+            "programs": list(programs) if programs is not None else None}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -152,7 +139,7 @@ def load(path: str | os.PathLike, key: CacheKey) -> CachedPlan:
         raise PlanCacheError(f"plan cache {path} does not fit this run: " + "; ".join(diff) +
                              ". Delete the file (or give another plan_cache) to re-plan")
     plan = Plan.from_json(json.dumps(body["plan"]))
-    programs = tuple(Program.from_json(json.dumps(p)) for p in body["programs"]) if body["programs"] else None
+    programs = tuple(str(p) for p in body["programs"]) if body["programs"] else None
     return CachedPlan(plan, key, path, True, programs)
 
 
@@ -163,11 +150,13 @@ def entry_path(cache: str | os.PathLike, key: CacheKey) -> Path:
 
 
 def load_or_plan(cache: str | os.PathLike, fn: Any, params: Any, *example_batch: Any, world_size: int,
-                 schedule: str = "1f1b", write: bool = True, **options: Any) -> CachedPlan:
-    """The cached plan for these inputs, or `engine.planner.plan(...)` with them, saved (if `write`).
+                 schedule: str = "1f1b", write: bool = True, workshop: Workshop | None = None,
+                 build: Any = None, **options: Any) -> CachedPlan:
+    """The cached plan for these inputs, or `engine.planning.search.search(...)` with them, saved (if `write`).
 
-    `options` are the planner's keyword arguments (stages, dp, microbatches, memory_limit, device, ...)."""
-    from .planner import plan as make_plan
+    `options` are the planner's keyword arguments (stages, dp, microbatches, memory_limit, device, ...);
+    `workshop` and `build` are handed to the search (they are not part of the key)."""
+    from . import search
 
     key = cache_key(fn, params, *example_batch, world_size=world_size, schedule=schedule, **options)
     path = entry_path(cache, key)
@@ -176,10 +165,11 @@ def load_or_plan(cache: str | os.PathLike, fn: Any, params: Any, *example_batch:
         log.info("plan cache hit: %s", path)
         return entry
     _explain_miss(path, key)
-    plan = make_plan(fn, params, *example_batch, world_size=world_size, schedule=schedule, **options)
+    planned = search.search(fn, params, *example_batch, world_size=world_size, schedule=schedule,
+                            workshop=workshop, build=build, **options)
     if write:
-        save(path, key, plan)
-    return CachedPlan(plan, key, path, False)
+        save(path, key, planned.plan)
+    return CachedPlan(planned.plan, key, path, False, planned=planned)
 
 
 def _explain_miss(path: Path, key: CacheKey) -> None:
@@ -195,13 +185,14 @@ def _explain_miss(path: Path, key: CacheKey) -> None:
     log.info("plan cache miss: %s", path)
 
 
-def record_programs(entry: CachedPlan, programs: Sequence[Program], *, write: bool = True) -> None:
-    """Store the programs a Step emitted for this plan, or check them against the stored ones."""
+def record_programs(entry: CachedPlan, programs: Sequence[str], *, write: bool = True) -> None:
+    """Store every rank's program fingerprint (in world-rank order) for this plan, or check them against
+    the stored ones."""
     if entry.programs is None:
         if write:
             save(entry.path, entry.key, entry.plan, programs)
         return
-    cached, emitted = (fingerprint([p.to_json() for p in progs]) for progs in (entry.programs, programs))
+    cached, emitted = fingerprint(list(entry.programs)), fingerprint(list(programs))
     if cached != emitted:
         raise PlanCacheError(f"{entry.path}: the plan matches but this fnpipe emits different programs for it "
                              f"(fingerprint {emitted[:12]}, cached {cached[:12]}); delete the file to re-plan")

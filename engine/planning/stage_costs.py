@@ -13,16 +13,17 @@ stage does not fit without).
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 
 import ir
 import schedules
 
+from .artifacts import autodiff
 from .blocks import Blocks
-from .costmodel import CostModel
-from .errors import PlanError, SplitError
+from .op_costs import CostModel
+from ..errors import PlanError, SplitError
 from .memory import MemoryModel, StageMemory, gib, rank_static
 from .split import FIX, BlockCosts, Partition, partition, split_costs
 
@@ -108,14 +109,22 @@ def _backward_transient(part: ir.Part, grad_slots: set[int]) -> int:
     return ir.run_bytes(part.graph, params).transient
 
 
-def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str | None,
+Differentiate = Callable[[ir.Stage, bool], ir.StageAD]  # (stage, recompute) -> its F/B/W programs
+
+
+def autodiff_on(device: str | None) -> Differentiate:
+    """Stage autodiff with nothing kept (planning keeps its programs in `artifacts.Workshop`)."""
+    return lambda stage, recompute: autodiff(stage, recompute, device=device)
+
+
+def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentiate: Differentiate,
                  recompute: bool = False) -> StageCost:
     """Costs of a stage from its F/B/W graphs. With `recompute`, B's graph holds the redone forward, so
     its time includes it, and what B computes for W (the recomputed activations W reads) lives while B
     and W run: B's temporaries plus that hand-over are the stage's workspace."""
     g = stage.graph
     n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
-    ad = ir.stage_autodiff(g, constant=range(n_params, n_params + n_batch), device=device, recompute=recompute)
+    ad = differentiate(stage, recompute)
     f, b, w = ad.forward, ad.backward_input, ad.backward_weight
     n_in = len(g.inputs)
     from_f = {s for s in (*b.in_slots, *w.in_slots) if s >= n_in and s in set(f.out_slots)}
@@ -144,33 +153,36 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, device: str
 
 
 def exact(graph: ir.Graph, cuts: Sequence[int], model: CostModel, *, device: str | None = None,
-          cache: dict[tuple[int, int, bool], StageCost] | None = None,
-          recompute: Sequence[bool] = ()) -> tuple[StageCost, ...]:
+          cache: dict[tuple[int, int, bool], StageCost] | None = None, recompute: Sequence[bool] = (),
+          differentiate: Differentiate | None = None) -> tuple[StageCost, ...]:
     """Exact costs of the stages `ir.split(graph, cuts)`, traced through stage autodiff (stage k with
-    activation recomputation when `recompute[k]`)."""
+    activation recomputation when `recompute[k]`; `differentiate` makes the programs, by default afresh
+    on `device`)."""
     cache = {} if cache is None else cache
+    differentiate = differentiate or autodiff_on(device)
     out = []
     for stage in ir.split(graph, cuts):
         redo = stage.index < len(recompute) and bool(recompute[stage.index])
         key = (stage.start, stage.stop, redo)
         if key not in cache:
-            cache[key] = _exact_stage(graph, stage, model, device, redo)
+            cache[key] = _exact_stage(graph, stage, model, differentiate, redo)
         out.append(cache[key])
     return tuple(out)
 
 
 def exact_blocks(graph: ir.Graph, blocks: Blocks, model: CostModel, *, device: str | None = None,
-                 split_bw: bool = False) -> Blocks:
+                 split_bw: bool = False, differentiate: Differentiate | None = None) -> Blocks:
     """`blocks` with F/B/W seconds and saved bytes from stage autodiff of each block; blocks that print
     alike (a model's N identical layers) are differentiated once. A block's saved bytes include its
     input (inside a stage, a saved activation) and, when the schedule runs B and W apart (`split_bw`),
     what B hands to W."""
     costs: dict[str, StageCost] = {}
     per_block = []
+    differentiate = differentiate or autodiff_on(device)
     for stage in ir.split(graph, blocks.bounds[1:-1]):
         key = str(stage.graph)
         if key not in costs:
-            costs[key] = _exact_stage(graph, stage, model, device)
+            costs[key] = _exact_stage(graph, stage, model, differentiate)
         per_block.append(costs[key])
     return attrs.evolve(
         blocks, forward=tuple(c.forward for c in per_block),

@@ -15,8 +15,8 @@ import attrs
 
 import ir
 
-from .costmodel import CostModel, backward_estimates
-from .names import module_key
+from .op_costs import CostModel, backward_estimates
+from ..names import module_key
 
 MAX_BLOCKS = 128
 

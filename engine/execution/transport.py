@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import CommTimeoutError
+from ..errors import CommTimeoutError
 
 
 class Transport(Protocol):

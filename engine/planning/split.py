@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import attrs
 
-from .errors import SplitError
+from ..errors import SplitError
 from .memory import MemoryModel, gib
 
 FIX = ("make it fit with more pipeline stages, activation recomputation, or a smaller microbatch "

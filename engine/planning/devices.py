@@ -13,7 +13,7 @@ import os
 import attrs
 import torch
 
-from .errors import PlanError
+from ..errors import PlanError
 
 
 @attrs.frozen

@@ -27,7 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .errors import PlanError
+from ..errors import PlanError
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})  # properties that compute with the tensor

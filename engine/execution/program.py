@@ -5,11 +5,11 @@ microbatch, `g3` the gradient accumulator of leaf 3, `_` nothing.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-from typing import Any
 
 import attrs
+
+from ..planning.plan import fingerprint  # noqa: F401 -- re-exported: programs are fingerprinted too
 
 COMPUTE = ("forward", "backward_input", "backward_weight", "backward")
 SHORT = {"forward": "F", "backward_input": "B", "backward_weight": "W", "backward": "BW"}  # as schedule actions
@@ -99,9 +99,3 @@ class Program:
             instrs.append(Instr(i["kind"], i["stage"], i["mb"], tuple(i["reads"]), tuple(i["writes"]), comm,
                                 tuple(i["group"])))
         return cls(d["rank"], tuple(instrs))
-
-
-def fingerprint(items: Any) -> str:
-    """sha256 of the JSON of plans/programs: equal on every rank or the run refuses to start."""
-    text = json.dumps(items, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()

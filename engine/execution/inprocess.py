@@ -12,12 +12,12 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-import ir
-
+from ..planning.artifacts import Planned, Workshop, planned_from
+from ..planning.plan import Plan
+from .assemble import assemble
+from .executor import Hook
 from .launch import World
-from .plan import Plan
-from .runtime import Hook
-from .step import Step, build_programs, microbatch_example, stage_infos
+from .step import Step
 from .transport import Hub, LocalTransport
 
 
@@ -31,15 +31,19 @@ class InProcessResult:
     steps: tuple[Step, ...]
 
 
-def build_steps(fn: Callable, params: Any, batch: Sequence[Any], plan: Plan, *, timeout: float = 30.0,
+def build_steps(fn: Callable, params: Any, batch: Sequence[Any], plan: Plan | Planned, *, timeout: float = 30.0,
                 hook: Hook | None = None) -> tuple[Step, ...]:
-    graph = ir.trace(fn, params, *microbatch_example(batch, plan.microbatches * plan.dp), device="cpu")
-    infos = stage_infos(graph, plan, torch.device("cpu"))
-    programs = build_programs(infos, plan, graph.num_params)
-    hub = Hub(plan.world_size, timeout)
-    return tuple(Step(fn, graph, plan, World(r, plan.world_size, r, torch.device("cpu"), False),
-                      LocalTransport(hub, r), hook=hook, infos=infos, programs=programs)
-                 for r in range(plan.world_size))
+    """Every rank's Step of `plan` on CPU over one hub; a Plan gets its artefacts traced here, once."""
+    planned = plan if isinstance(plan, Planned) else planned_from(plan, Workshop(fn, params, batch, device="cpu"))
+    return steps_of(planned, timeout=timeout, hook=hook)
+
+
+def steps_of(planned: Planned, *, timeout: float = 30.0, hook: Hook | None = None) -> tuple[Step, ...]:
+    """One Step per world rank of `planned`, each with the program `assemble` makes for it."""
+    hub = Hub(planned.plan.world_size, timeout)
+    cpu = torch.device("cpu")
+    return tuple(Step(planned, World(r, planned.plan.world_size, r, cpu, False), LocalTransport(hub, r), hook=hook,
+                      program=assemble(planned, r)) for r in range(planned.plan.world_size))
 
 
 def run_steps(steps: Sequence[Step], params: Any, batch: Sequence[Any]) -> InProcessResult:

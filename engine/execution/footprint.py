@@ -18,7 +18,7 @@ import attrs
 import ir
 
 from .emit import StageInfo
-from .instructions import COMPUTE, Instr, Program
+from .program import COMPUTE, Instr, Program
 
 
 @attrs.frozen

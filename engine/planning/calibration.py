@@ -22,7 +22,9 @@ from torch.utils import _pytree as pytree
 
 import ir
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("engine.calibrate")
+ProgramCompiler = Callable[[ir.Graph, tuple[int, ...]], Callable[..., Any]]  # (graph, accumulate) -> runnable
+
 
 def _describe(x: Any) -> Any:
     if isinstance(x, ir.Var):
@@ -144,13 +146,15 @@ def time_accumulate(aval: ir.AbstractValue, device: torch.device, *, repeats: in
 
 
 def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repeats: int = 5,
-                       calibration: Calibration | None = None, inputs: Sequence[torch.Tensor] | None = None
-                       ) -> Calibration:
+                       calibration: Calibration | None = None, inputs: Sequence[torch.Tensor] | None = None,
+                       compile_program: ProgramCompiler = ir.compile_graph) -> Calibration:
     """Calibrate every op a training step of model graph `g` runs: its own equations (what the splitter
     estimates from), the forward, B and W graphs that stage autodiff makes of it, and each weight grad's
     accumulation. Given the step's real `inputs` (params then one microbatch, as `g.inputs`), also the
     scale of whole programs over their ops (`program_scale`), measured again whenever ops were timed (a
-    new microbatch size: the latest measurement holds for the table); otherwise the table's scale stands."""
+    new microbatch size: the latest measurement holds for the table); otherwise the table's scale stands.
+    `compile_program(graph, accumulate)` is how the runtime makes a program runnable (the execution
+    side's compiler, handed in: planning does not import execution)."""
     dev = torch.device(device)
     ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev))
     cal = calibrate(g, dev, repeats=repeats, calibration=calibration)
@@ -165,19 +169,19 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
     measured = calibration is not None and cal.times == calibration.times and calibration.scale != 1.0
     if inputs is None or measured:
         return cal  # nothing real to run, or nothing new since the scale was measured: it stands
-    return attrs.evolve(cal, scale=program_scale(ad, g, dev, cal, inputs, repeats=repeats))
+    return attrs.evolve(cal, scale=program_scale(ad, g, dev, cal, inputs, repeats=repeats,
+                                                   compile_program=compile_program))
 
 
 def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibration,
-                  inputs: Sequence[torch.Tensor], *, repeats: int = 5) -> float:
+                  inputs: Sequence[torch.Tensor], *, repeats: int = 5,
+                  compile_program: ProgramCompiler = ir.compile_graph) -> float:
     """Measured seconds of model `g`'s forward and fused backward programs (`ad`) on the step's real
     params and microbatch (`inputs`), run as the runtime runs them (compiled, one after the other, weight
     grads added into accumulators), over their calibrated ops' and accumulations' sum. Ops timed alone,
     each on the same random inputs again and again, miss what a program pays between them (launch gaps,
     operands no longer in cache, the speed of real data); the cost model multiplies by this. 1.0 (logged)
     when the programs cannot run here (too large for one device) or some op could not be timed alone."""
-    from .runtime import stand_in
-
     if len(inputs) != len(g.inputs):
         log.warning("program scale not measured: %d inputs for a graph of %d", len(inputs), len(g.inputs))
         return 1.0
@@ -194,9 +198,9 @@ def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibr
     if predicted <= 0:
         return 1.0
     try:
-        slots = {i: stand_in(a, device) for i, a in enumerate(ad.slot_avals) if a is not None}
+        slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
         slots.update((i, x.to(device)) for i, x in enumerate(inputs))
-        run_f, run_b = ir.compile_graph(fwd.graph), ir.compile_graph(bwd.graph, acc)
+        run_f, run_b = compile_program(fwd.graph, ()), compile_program(bwd.graph, acc)
         accs = [torch.zeros_like(slots[param_grads[bwd.out_slots[k]]]) for k in acc]
 
         def once() -> None:

@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from ir.trace import key_name
 
-from .errors import EngineError
+from ..errors import EngineError
 
 __all__ = ["CheckpointError", "export", "is_complete", "latest", "load", "read_manifest", "save"]
 
@@ -97,7 +97,7 @@ def _check_values(leaves: list[tuple[str, Any]]) -> None:
 
 def _manifest(step: Any, size: int, trees: dict, held: list, owner: dict, params: Any, opt_state: Any,
               iteration: int | None, meta: dict | None) -> dict:
-    from .plancache import fnpipe_version
+    from ..version import fnpipe_version
 
     def entries(kind: str) -> list[dict]:
         out = []

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .errors import EngineError
+from ..errors import EngineError
 
 __all__ = ["accumulate", "adamw", "clip_grad_norm", "local_leaves", "owned_leaves", "scale", "set_grads", "sgd"]
 

@@ -21,7 +21,7 @@ import torch
 import ir
 from ir.costs import base_name
 
-from .calibrate import Calibration, accumulate_signature, signature
+from .calibration import Calibration, accumulate_signature, signature
 from .devices import DeviceProfile, LinkProfile
 
 ATTENTION_OPS = frozenset({

@@ -1,49 +1,13 @@
-"""The emitter: Plan + lowered schedule + stage programs -> one static Program per world rank."""
+"""The emitter: a lowered schedule table and the stage programs -> the static Program of one world rank."""
 from __future__ import annotations
 
 from typing import Sequence
 
-import attrs
-
 import ir
 import schedules
 
-from .instructions import CommOp, Instr, Program
-
-
-@attrs.frozen(eq=False)
-class StageInfo:
-    """What the emitter and runtime need of a stage: its slice of the graph and its F/B/W programs."""
-
-    stage: ir.Stage
-    ad: ir.StageAD
-
-    @property
-    def n_params(self) -> int:
-        return len(self.stage.param_ids)
-
-    @property
-    def n_batch(self) -> int:
-        return len(self.stage.batch_ids)
-
-    def act_slot(self, k: int) -> int:
-        """Slot of the k-th received activation."""
-        return self.n_params + self.n_batch + k
-
-    def grad_acts(self) -> list[int]:
-        """Indices k of acts_in that get a gradient sent back (float activations)."""
-        return [k for k in range(len(self.stage.acts_in)) if self.ad.grad_slots[self.act_slot(k)] is not None]
-
-    def ct_outs(self) -> list[int]:
-        """Indices j of acts_out that receive a cotangent (float activations)."""
-        return [j for j in range(len(self.stage.acts_out)) if self.ad.ct_slots[j] is not None]
-
-    def recv_aval(self, what: str, k: int) -> ir.AbstractValue:
-        """Shape and dtype of the k-th buffer that a receive of `what` ("act" or "grad") fills."""
-        g = self.stage.graph
-        if what == "act":
-            return g.inputs[self.act_slot(k)].aval
-        return g.outputs[self.ct_outs()[k]].aval
+from ..planning.artifacts import StageInfo
+from .program import CommOp, Instr, Program
 
 
 class _Emitter:

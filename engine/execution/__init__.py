@@ -1,0 +1,14 @@
+"""Execution: a Plan's programs assembled, emitted for this rank, and run over a transport.
+
+Owns: the instruction set and Program data (`program`), assembly of a plan into stage programs and
+this rank's program (`assemble`, the one function the Step, the in-process runner, `engine.testing`
+and the GPU benchmark call), program emission from a lowered table (`emit`), the executor with its
+dispatch table (`executor`), transports (torch.distributed P2P, the in-process hub: `transport`), the
+launch and bootstrap of a world (`launch`), the Step (`step`), in-process runs of every rank
+(`inprocess`), execution spans (`spans`) and program replay for memory (`footprint`).
+
+May import: `ir`, `schedules`, `engine.planning` (the Plan and the artefacts it carries), and
+engine's shared leaves (`engine.errors`, `engine.names`, `engine.logs`, `engine.progress`).
+
+Must not import: `engine.training`, `engine.parallelize`, `engine.report` or `engine.testing`.
+"""

@@ -1,0 +1,158 @@
+"""The Step: one rank's compiled training step, `step(params, *batch) -> (loss, grads)`, and what builds it."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+import ir
+
+from ..errors import PlanError, RuntimeMismatchError
+from ..planning.artifacts import Planned
+from ..planning.plan import fingerprint
+from . import launch
+from .assemble import Programs, channels, common_fingerprint, disagreements, interface, reduce_groups
+from .executor import Executor, Hook
+from .footprint import Footprint, footprint
+from .program import Program
+from .spans import Span, Tracer
+from .transport import DistTransport, Hub, LocalTransport, Transport
+
+log = logging.getLogger("engine.runtime")
+
+
+def split_batch(batch: Sequence[Any], parts: int) -> list[list[torch.Tensor]]:
+    """Each batch leaf cut along dim 0 into `parts` equal chunks: result[k] = flat leaves of chunk k."""
+    leaves = pytree.tree_leaves(tuple(batch))
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % parts:
+            size = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else "no batch dim"
+            raise PlanError(f"batch leaf {i} has batch size {size}, which does not split into {parts} equal "
+                            "microbatches (microbatches x dp); pick a batch size that is a multiple of it")
+    chunks = [torch.tensor_split(x, parts, dim=0) for x in leaves]
+    return [[c[k] for c in chunks] for k in range(parts)]
+
+
+def microbatch_example(batch: Sequence[Any], parts: int) -> tuple[Any, ...]:
+    """The example batch's first microbatch, with the user's pytree structure."""
+    leaves, tree = pytree.tree_flatten(tuple(batch))
+    return tuple(pytree.tree_unflatten(split_batch(batch, parts)[0], tree))
+
+
+class Step:
+    """The compiled training step of one rank. Call `shard` once, then `step(params, *batch)`."""
+
+    def __init__(self, planned: Planned, world: launch.World, transport: Transport, *, hook: Hook | None = None,
+                 compiler: str = "fx", program: Program | None = None) -> None:
+        self.planned, self.world, self.transport = planned, world, transport
+        self.plan, self.graph, self.infos, self.table = planned.plan, planned.graph, planned.stages, planned.table
+        self.programs = Programs(planned, {world.rank: program} if program is not None else None)
+        self.position = world.rank % self.plan.pipeline_depth
+        self.replica = world.rank // self.plan.pipeline_depth
+        self.local_stages = self.table.stages_of(self.position)
+        self.local_params = sorted({pid for s in self.local_stages for pid in self.infos[s].stage.param_ids})
+        self.executor = Executor(self.program, self.infos, transport, microbatches=self.plan.microbatches,
+                                 dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
+
+    @property
+    def program(self) -> Program:
+        """This rank's instruction list."""
+        return self.programs[self.world.rank]
+
+    def verify(self) -> tuple[str, ...]:
+        """All ranks must hold the same plan, graph and lowered table, and their programs must fit together
+        (every send met by its receive, every sum joined alike); refuse to run otherwise, on every rank.
+        Returns every rank's program fingerprint (each rank emitted only its own)."""
+        mine = (common_fingerprint(self.planned), fingerprint(self.program.to_json()),
+                interface(self.program, self.world.size))
+        prints = self.transport.all_gather_object(mine)
+        bad = [r for r, (common, _, _) in enumerate(prints) if common != prints[0][0]]
+        odd = [] if bad else disagreements([face for _, _, face in prints])
+        if bad or odd:
+            what = (f"ranks {bad} built a different plan than rank 0 (fingerprints {[c[:12] for c, _, _ in prints]})"
+                    if bad else "the ranks' programs do not fit together: " + "; ".join(odd[:4]))
+            raise RuntimeMismatchError(f"{what}; every rank must call parallelize with the same function, shapes, "
+                                       "dtypes and options, and run the same fnpipe")
+        return tuple(program for _, program, _ in prints)
+
+    def traced(self, params: Any, *batch: Any) -> tuple[torch.Tensor, Any, list[Span]]:
+        """One step with every instruction timed (CUDA events on GPU); returns this rank's spans too."""
+        self.executor.tracer = Tracer(self.world.rank, self.world.device)
+        try:
+            loss, grads = self(params, *batch)
+            spans = self.executor.tracer.spans
+        finally:
+            self.executor.tracer = None
+        return loss, grads, spans
+
+    def all_spans(self, spans: list[Span]) -> list[Span]:
+        """Every rank's spans (a collective: call it on all ranks)."""
+        return [s for part in self.transport.all_gather_object(spans) for s in part]
+
+    def memory(self) -> tuple[Footprint, ...]:
+        """Every world rank's device bytes for one step (params, grads, buffers, temporaries), replayed
+        from its program (`engine.footprint`): what `torch.cuda.max_memory_allocated` reads for programs
+        run as fx code, short of library workspaces (inductor-compiled programs free differently; the
+        benchmark saw them within -16 % / +8 % of this). No optimizer state: that is the optimizer's."""
+        return tuple(footprint(p, self.infos, self.graph, microbatches=self.plan.microbatches)
+                     for p in self.programs.all())
+
+    def shard(self, params: Any) -> Any:
+        """This rank's leaves moved to its device; leaves used only by other ranks become None."""
+        leaves, tree = pytree.tree_flatten(params)
+        keep = set(self.local_params)
+        out = [x.detach().to(self.world.device) if i in keep else None for i, x in enumerate(leaves)]
+        return pytree.tree_unflatten(out, tree)
+
+    def __call__(self, params: Any, *batch: Any) -> tuple[torch.Tensor, Any]:
+        leaves, tree = pytree.tree_flatten(params, is_leaf=lambda x: x is None)
+        if len(leaves) != self.graph.num_params:
+            raise PlanError(f"params has {len(leaves)} leaves, the traced function {self.graph.num_params}; "
+                            "pass the tree returned by step.shard(params)")
+        local = {}
+        for pid in self.local_params:
+            x = leaves[pid]
+            want = self.graph.inputs[pid].aval
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want.shape or x.dtype != want.dtype:
+                got = ir.AbstractValue.of(x) if isinstance(x, torch.Tensor) else repr(x)
+                raise PlanError(f"param '{self.graph.input_names[pid]}' on rank {self.world.rank} should be "
+                                f"{want}, got {got}; pass the tree from step.shard(params)")
+            local[pid] = x
+        m, dp = self.plan.microbatches, self.plan.dp
+        chunks = split_batch(batch, m * dp)[self.replica * m:(self.replica + 1) * m]
+        offset = self.graph.num_params
+        mbs = [{offset + j: x.to(self.world.device) for j, x in enumerate(c)} for c in chunks]
+        loss, grads = self.executor.run(local, mbs)
+        out = [grads.get(pid) if pid in local else None for pid in range(len(leaves))]
+        return loss, pytree.tree_unflatten(out, tree)
+
+    def gather(self, tree: Any) -> Any:
+        """The full tree on rank 0 (each leaf from the first replica's rank that holds it); None elsewhere."""
+        import torch.distributed as dist
+
+        leaves, spec = pytree.tree_flatten(tree, is_leaf=lambda x: x is None)
+        if self.world.size == 1:
+            return tree
+        owner = {pid: self.table.rank_of(min(s for s in range(len(self.infos)) if pid in self.infos[s].stage.param_ids))
+                 for pid in range(len(leaves)) if any(pid in i.stage.param_ids for i in self.infos)}
+        out = list(leaves) if self.world.rank == 0 else None
+        for pid, src in sorted(owner.items()):
+            if src == 0:
+                continue
+            aval = self.graph.inputs[pid].aval
+            if self.world.rank == src:
+                dist.send(leaves[pid].detach().contiguous(), dst=0)
+            elif self.world.rank == 0:
+                buf = torch.empty(aval.shape, dtype=aval.dtype, device=self.world.device)
+                dist.recv(buf, src=src)
+                out[pid] = buf
+        return pytree.tree_unflatten(out, spec) if out is not None else None
+
+
+def connect(world: launch.World, planned: Planned, timeout: float) -> Transport:
+    """This rank's transport: the channels and reduction groups any rank of the plan uses (from the table)."""
+    if not world.distributed:
+        return LocalTransport(Hub(1, timeout), 0)
+    return DistTransport(timeout, reduce_groups(planned), channels(planned), world.device)

@@ -1,0 +1,142 @@
+"""`engine.parallelize`: a pure loss function becomes a pipelined `step(params, *batch) -> (loss, grads)`.
+
+The one public entry, straight through: trace -> plan (engine.planning) -> stage programs and this
+rank's program (engine.execution) -> fingerprint check -> Step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+
+from .errors import PlanError
+from .execution import launch
+from .execution.executor import COMPILERS, Hook, check_compiler
+from .execution.step import Step, connect, microbatch_example
+from .planning import cache as plancache
+from .planning.artifacts import Planned, Workshop, lowered_table, planned_from
+from .planning.candidates import batch_size_of
+from .planning.search import schedule_builder, search
+from .training.precision import mixed_precision
+
+log = logging.getLogger("engine.runtime")
+
+
+def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.PathLike, *, microbatches: Any,
+                dp: Any) -> Any:
+    """Rank 0 times the model's ops on its device, all ranks get the table. A table saved at `where` is
+    loaded first and only the signatures it lacks are timed (another microbatch size or dp makes new
+    shapes); the grown table is saved back. If rank 0 fails, every rank raises with its error."""
+    table, error = None, None
+    if world.rank == 0:
+        try:
+            table = _calibrate_here(world, workshop, where, microbatches, dp)
+        except Exception as exc:  # noqa: BLE001 -- re-raised below, after the others have heard of it
+            error = exc
+    if world.distributed:  # always: rank 0's table wins, whatever each rank found on disk
+        import torch.distributed as dist
+
+        box = [(table, None if error is None else f"{type(error).__name__}: {error}")]
+        dist.broadcast_object_list(box, src=0)
+        table, message = box[0]
+        if message is not None and error is None:
+            raise PlanError(f"calibration failed on rank 0 ({message}); fix that run, or pass calibrate=False")
+    if error is not None:
+        raise error
+    return table
+
+
+def _calibrate_here(world: launch.World, workshop: Workshop, where: bool | str | os.PathLike, microbatches: Any,
+                    dp: Any) -> Any:
+    from .planning.calibration import Calibration, calibrate_training
+
+    path = None if where is True else os.fspath(where)
+    known = Calibration.load(path) if path is not None and os.path.exists(path) else None
+    parts = (microbatches if isinstance(microbatches, int) else world.size) * (dp if isinstance(dp, int) else 1)
+    example = microbatch_example(workshop.batch, parts)
+    graph = workshop.graph(batch_size_of(workshop.batch) // parts)
+    real = pytree.tree_leaves((workshop.params, example))
+    inputs = real if all(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in real) else None
+    table = calibrate_training(graph, world.device, calibration=known, inputs=inputs, 
+                               compile_program=COMPILERS["fx"])
+    if path is not None and table != known:
+        table.save(path)
+    return table
+
+
+def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: str = "1f1b",
+                microbatches: int | str = 8, stages: int | str | None = None, dp: int | str | None = None,
+                memory_limit: int | None = None, stages_per_rank: int | None = None,
+                cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None,
+                plan_cache: str | os.PathLike | None = None,
+                calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
+                compute_dtype: torch.dtype | None = None, compiler: str = "fx") -> Step:
+    """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
+
+    For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
+    every rank and grads equal to `torch.func.grad(loss_fn)(params, *batch)` on the leaves this rank
+    holds (None elsewhere), for every schedule, stage count, microbatch count and dp degree.
+    `plan_cache` (a directory, or a .json deployment file) reuses a plan made for the same model,
+    world, schedule and options instead of planning again (engine.planning.cache). `calibrate=True` times
+    every op of the model once on rank 0's device before splitting, so the split balances measured
+    rather than roofline costs; a path reuses (or writes) that table, so reruns and plan caches agree.
+    `recompute` is activation recomputation: False, True (every stage) or "auto" (only the stages that
+    do not fit memory without it; `step.plan.recompute` says which). `compute_dtype` (e.g.
+    torch.bfloat16) runs the model with its float params cast to that dtype inside the graph while
+    params and grads keep theirs (engine.precision.mixed_precision; grads are then those of that function).
+    `compiler` runs each stage program as generated fx Python ("fx", the default: eager's kernels, no
+    compile time) or compiled by torch.compile's inductor ("inductor": fused kernels, a compile per
+    stage program at the first step).
+    """
+    if compute_dtype is not None:
+        loss_fn = mixed_precision(loss_fn, compute_dtype)
+    try:  # before anything slow or collective; the registry's message suggests the closest name
+        check_compiler(compiler)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
+    build = schedule_builder(schedule)
+    world = launch.init(timeout)
+    workshop = Workshop(loss_fn, params, example_batch, device=world.device.type)
+    planned = _planned(world, workshop, loss_fn, params, example_batch, schedule=schedule, build=build,
+                       plan_cache=plan_cache, calibrate=calibrate, options=dict(
+                           stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
+                           device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
+                           recompute=recompute))
+    transport = connect(world, planned.planned, timeout)
+    step = Step(planned.planned, world, transport, hook=hook, compiler=compiler)
+    programs = step.verify()
+    if planned.entry is not None:
+        plancache.record_programs(planned.entry, programs, write=world.rank == 0)
+    if world.device.type == "cuda":
+        step.executor.warmup(step.local_stages)
+    log.info("rank %d: %s", world.rank, step.program)
+    return step
+
+
+@attrs.frozen
+class _Found:
+    planned: Planned
+    entry: plancache.CachedPlan | None
+
+
+def _planned(world: launch.World, workshop: Workshop, loss_fn: Callable, params: Any, batch: Sequence[Any], *,
+             schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any,
+             options: dict[str, Any]) -> _Found:
+    """The plan with its artefacts: searched here, or loaded from the plan cache and its stage programs
+    built (once each) for it."""
+    if calibrate:
+        options["calibration"] = calibration(world, workshop, calibrate, microbatches=options["microbatches"],
+                                             dp=options["dp"])
+    if plan_cache is None:
+        return _Found(search(loss_fn, params, *batch, world_size=world.size, schedule=schedule, workshop=workshop,
+                             build=build, **options), None)
+    entry = plancache.load_or_plan(plan_cache, loss_fn, params, *batch, world_size=world.size, schedule=schedule,
+                                   write=world.rank == 0, workshop=workshop, build=build, **options)
+    if entry.planned is not None:
+        return _Found(entry.planned, entry)
+    return _Found(planned_from(entry.plan, workshop, table=lowered_table(entry.plan, build)), entry)

@@ -1,0 +1,168 @@
+"""What planning computes and hands on: graphs per microbatch size, stage programs per cut, the Planned result.
+
+Tracing and stage autodiff are the expensive passes of planning. A `Workshop` does each once: one
+trace per microbatch size, one `ir.stage_autodiff` per (microbatch size, equation range, recompute),
+whatever cut sets the splitter, the exact costing or the assembly ask for. `Planned` is the chosen
+Plan together with its graph, its stages' F/B/W programs and its lowered, validated table: execution
+assembles programs from it without tracing or differentiating again.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+import ir
+import schedules
+
+from ..errors import PlanError
+from .plan import Plan
+
+
+@attrs.frozen(eq=False)
+class StageInfo:
+    """One stage: its slice of the graph and its F/B/W programs (what the emitter and runtime need)."""
+
+    stage: ir.Stage
+    ad: ir.StageAD
+
+    @property
+    def n_params(self) -> int:
+        return len(self.stage.param_ids)
+
+    @property
+    def n_batch(self) -> int:
+        return len(self.stage.batch_ids)
+
+    def act_slot(self, k: int) -> int:
+        """Slot of the k-th received activation."""
+        return self.n_params + self.n_batch + k
+
+    def grad_acts(self) -> list[int]:
+        """Indices k of acts_in that get a gradient sent back (float activations)."""
+        return [k for k in range(len(self.stage.acts_in)) if self.ad.grad_slots[self.act_slot(k)] is not None]
+
+    def ct_outs(self) -> list[int]:
+        """Indices j of acts_out that receive a cotangent (float activations)."""
+        return [j for j in range(len(self.stage.acts_out)) if self.ad.ct_slots[j] is not None]
+
+    def recv_aval(self, what: str, k: int) -> ir.AbstractValue:
+        """Shape and dtype of the k-th buffer that a receive of `what` ("act" or "grad") fills."""
+        g = self.stage.graph
+        if what == "act":
+            return g.inputs[self.act_slot(k)].aval
+        return g.outputs[self.ct_outs()[k]].aval
+
+
+def _signature(st: ir.Stage) -> tuple[Any, ...]:
+    """What a stage's programs depend on besides its graph: its interface to the other stages."""
+    return (st.start, st.stop, st.param_ids, st.batch_ids, st.acts_in, st.acts_out)
+
+
+class Workshop:
+    """Traces `fn` once per microbatch size and differentiates each stage once; everything is kept.
+
+    `device` is the device type the programs will run on ("cpu", "cuda"): without an index, so every
+    rank traces the same graph and factory ops land on each rank's current device.
+    """
+
+    def __init__(self, fn: Callable, params: Any, batch: Sequence[Any], *, device: str = "cpu") -> None:
+        self.fn, self.params, self.batch, self.device = fn, params, tuple(batch), device
+        self._graphs: dict[int, ir.Graph] = {}
+        self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
+
+    def graph(self, size: int) -> ir.Graph:
+        """The graph of one microbatch of `size` rows."""
+        if size not in self._graphs:
+            specs = pytree.tree_map(lambda x: microbatch_spec(x, size), self.batch)
+            self._graphs[size] = ir.trace(self.fn, self.params, *specs, device=self.device)
+        return self._graphs[size]
+
+    def autodiff(self, size: int, stage: ir.Stage, recompute: bool = False) -> ir.StageAD:
+        """Stage autodiff of `stage` (a slice of `graph(size)`), made once per range and interface."""
+        key = (size, _signature(stage), bool(recompute))
+        if key not in self._ads:
+            self._ads[key] = autodiff(stage, bool(recompute), device=self.device)
+        return self._ads[key]
+
+    def stages(self, size: int, cuts: Sequence[int], recompute: Sequence[bool] = ()) -> tuple[StageInfo, ...]:
+        """Every stage of `graph(size)` cut before the equations `cuts`, with its programs."""
+        return tuple(StageInfo(st, self.autodiff(size, st, st.index < len(recompute) and recompute[st.index]))
+                     for st in ir.split(self.graph(size), cuts))
+
+
+def autodiff(stage: ir.Stage, recompute: bool = False, *, device: str | None = None) -> ir.StageAD:
+    """`ir.stage_autodiff` of a stage, its params differentiated and its batch leaves constant (`device`:
+    where the programs will run; None, the graph's own)."""
+    n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
+    return ir.stage_autodiff(stage.graph, constant=range(n_params, n_params + n_batch), device=device,
+                             recompute=recompute)
+
+
+def stage_programs(graph: ir.Graph, cuts: Sequence[int], recompute: Sequence[bool] = (), *,
+                   device: str | None = None) -> tuple[StageInfo, ...]:
+    """Every stage of a graph one traced by hand, with its programs, nothing kept (tests, tools)."""
+    return tuple(StageInfo(st, autodiff(st, st.index < len(recompute) and recompute[st.index], device=device))
+                 for st in ir.split(graph, cuts))
+
+
+@attrs.frozen(eq=False)
+class Planned:
+    """A Plan with what was computed to make it: the microbatch graph, every stage's F/B/W programs, and
+    the schedule table lowered (sends and receives placed) and validated. Every rank builds the same."""
+
+    plan: Plan
+    graph: ir.Graph
+    stages: tuple[StageInfo, ...]
+    table: schedules.Table
+
+    @property
+    def num_params(self) -> int:
+        return self.graph.num_params
+
+
+def lowered_table(plan: Plan, build: Callable[..., schedules.Table] | None = None, *,
+                  trust_lowered: bool = False) -> schedules.Table:
+    """The plan's table with its communication placed (a user's table may come lowered by hand), validated:
+    a deadlock or a missing action is refused here, on every rank alike, before any program is emitted.
+    `trust_lowered` skips the check for a table that came lowered (the harness runs such a table as
+    written, to show what the runtime does with it)."""
+    build = build or schedules.get(plan.schedule)
+    table = build(plan.num_stages, plan.microbatches, **dict(plan.schedule_options))
+    if table.is_lowered and trust_lowered:
+        return table
+    if not table.is_lowered:
+        table = schedules.lower(table)
+    schedules.validate(table)
+    return table
+
+
+def planned_from(plan: Plan, workshop: Workshop, *, table: schedules.Table | None = None) -> Planned:
+    """Attach the artefacts to a Plan made elsewhere (a plan cache hit, a hand-made or harness plan):
+    its graph and stage programs from `workshop` (built there only if not built before)."""
+    size = plan.microbatch_size or _size_of(workshop.batch, plan.microbatches * plan.dp)
+    graph = workshop.graph(size)
+    if plan.num_eqns and plan.num_eqns != len(graph.eqns):
+        raise PlanError(f"the plan was made for a graph of {plan.num_eqns} equations, this model traces to "
+                        f"{len(graph.eqns)} at microbatch size {size}; plan again for this model")
+    stages = workshop.stages(size, plan.cuts, plan.recompute)
+    return Planned(plan, graph, stages, table if table is not None else lowered_table(plan))
+
+
+def microbatch_spec(x: Any, size: int) -> ir.TensorSpec:
+    """A batch leaf's spec with `size` rows."""
+    if isinstance(x, ir.TensorSpec):
+        return ir.TensorSpec((size, *x.shape[1:]), x.dtype, x.device)
+    device = None if x.device.type == "meta" else str(x.device)
+    return ir.TensorSpec((size, *x.shape[1:]), x.dtype, device)
+
+
+def _size_of(batch: Sequence[Any], parts: int) -> int:
+    leaves = pytree.tree_leaves(tuple(batch))
+    rows = int(leaves[0].shape[0]) if leaves and isinstance(leaves[0], (torch.Tensor, ir.TensorSpec)) else 0
+    if not rows or rows % parts:
+        raise PlanError(f"the batch has {rows} rows, which do not split into {parts} equal microbatches "
+                        "(microbatches x dp); pick a batch size that is a multiple of it")
+    return rows // parts

@@ -1,0 +1,170 @@
+"""Candidates: each layout split on its blocks and simulated with its schedule, costs kept per microbatch size.
+
+`Candidates` holds what the search asks for again and again: the graph and blocks at each microbatch
+size (from the `Workshop`, so each size is traced once and each stage differentiated once), exact stage
+costs per equation range, and the schedule's builder (looked up once).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+import ir
+import schedules
+
+from ..errors import PlanError, SplitError
+from ..names import abbreviate
+from .artifacts import Workshop
+from .blocks import Blocks, coarsen
+from .layout import Layout
+from .memory import MemoryModel, peak_live, rank_peaks
+from .op_costs import CostModel
+from .split import BlockCosts, Partition
+from .stage_costs import RecomputeCosts, StageCost, estimate, exact, exact_blocks, schedule_costs, split_recompute, splits_bw
+
+MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": "stages_per_rank", "zbv": None}
+INNER_CUT_GAIN = 0.05  # cut inside modules only when that makes the slowest stage 5 % faster
+
+
+@attrs.frozen
+class Candidate:
+    """A layout with its split (block bounds), stage costs and simulated step."""
+
+    layout: Layout
+    fine: bool                  # bounds index the blocks with cuts inside modules too
+    bounds: tuple[int, ...]
+    stages: tuple[StageCost, ...]
+    step_time: float
+    makespan: float
+    bubble: float
+    allreduce: float
+    rank_memory: tuple[float, ...]
+    recompute: tuple[bool, ...] = ()
+
+
+class Candidates:
+    """Splits and simulates layouts of one model; caches per microbatch size (blocks, exact stage costs)."""
+
+    def __init__(self, workshop: Workshop, *, schedule: str, build: Callable[..., schedules.Table],
+                 model: CostModel, memory: MemoryModel, limit: float, min_blocks: int,
+                 recompute: bool | str = False) -> None:
+        self.workshop, self.batch = workshop, workshop.batch
+        self.recompute = recompute
+        self.schedule, self.build, self.model, self.memory, self.limit = schedule, build, model, memory, limit
+        self.min_blocks = min_blocks
+        self._blocks: dict[tuple[int, bool, bool, bool], Blocks] = {}
+        self._exact: dict[int, dict[tuple[int, int, bool], StageCost]] = {}
+
+    def graph(self, size: int) -> ir.Graph:
+        return self.workshop.graph(size)
+
+    def differentiate(self, size: int) -> Callable[[ir.Stage, bool], ir.StageAD]:
+        return lambda stage, recompute: self.workshop.autodiff(size, stage, recompute)
+
+    def blocks(self, size: int, fine: bool, *, exact: bool = False, split_bw: bool = False) -> Blocks:
+        """Blocks at this microbatch size, with estimated costs or (`exact`) costs from stage autodiff
+        (`split_bw`: the schedule runs B and W apart)."""
+        key = (size, fine, exact, split_bw and exact)
+        if key not in self._blocks:
+            if exact:
+                self._blocks[key] = exact_blocks(self.graph(size), self.blocks(size, fine), self.model,
+                                                 split_bw=split_bw, differentiate=self.differentiate(size))
+            else:
+                self._blocks[key] = coarsen(self.graph(size), self.model, fine=fine, min_blocks=self.min_blocks)
+        return self._blocks[key]
+
+    def exact(self, size: int, cuts: Sequence[int], recompute: Sequence[bool] = ()) -> tuple[StageCost, ...]:
+        cache = self._exact.setdefault(size, {})
+        return exact(self.graph(size), cuts, self.model, cache=cache, recompute=recompute,
+                     differentiate=self.differentiate(size))
+
+    def table(self, layout: Layout) -> schedules.Table:
+        return self.build(layout.num_stages, layout.microbatches, **schedule_options(self.schedule, layout))
+
+    def block_costs(self, blocks: Blocks, time_scale: Sequence[float], saved_scale: Sequence[float]) -> BlockCosts:
+        return BlockCosts(
+            time=tuple(blocks.time(k) * time_scale[k] for k in range(blocks.num_blocks)),
+            param_bytes=tuple(float(sum(blocks.param_bytes[p] for p in ps)) for ps in blocks.params),
+            saved=tuple(blocks.saved[k] * saved_scale[k] for k in range(blocks.num_blocks)),
+            cut_bytes=tuple(float(b) for b in blocks.cut_bytes),
+            cut_time=tuple(self.model.comm_time(b) for b in blocks.cut_bytes))
+
+    def evaluate(self, layout: Layout, stages: tuple[StageCost, ...], table: schedules.Table, *,
+                 fine: bool = False, bounds: tuple[int, ...] = ()) -> Candidate:
+        """Simulate `stages` under the layout's schedule; add the dp gradient all-reduce."""
+        sim = schedules.simulate(table, schedule_costs(stages, table, self.model, self.memory))
+        grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
+        allreduce = self.model.allreduce_time(max(grads), layout.dp)
+        peaks = rank_peaks(table, [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages], self.memory)
+        return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
+                         allreduce, peaks, tuple(s.recompute for s in stages))
+
+    def split(self, layout: Layout, table: schedules.Table, blocks: Blocks, time_scale: Sequence[float] | None = None,
+              saved_scale: Sequence[float] | None = None, budgets: Sequence[float] | None = None
+              ) -> tuple[Partition, tuple[bool, ...]]:
+        """The fastest split of this layout's `blocks` whose stages fit their budgets, and which of its
+        stages recompute their activations (see `stagecost.split_recompute`)."""
+        rc = self.recompute_costs(blocks, time_scale, saved_scale)
+        budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
+        labels = [_block_label(blocks, k) for k in range(blocks.num_blocks)]
+        return split_recompute(rc, layout.num_stages, mode=self.recompute, live=peak_live(table), budgets=budgets,
+                               memory=self.memory, names=labels)
+
+    def recompute_costs(self, blocks: Blocks, time_scale: Sequence[float] | None = None,
+                        saved_scale: Sequence[float] | None = None) -> RecomputeCosts:
+        ones = [1.0] * blocks.num_blocks
+        time_scale = time_scale or ones
+        costs = self.block_costs(blocks, time_scale, saved_scale or ones)
+        return RecomputeCosts(costs, tuple(blocks.forward[k] * time_scale[k] for k in range(blocks.num_blocks)))
+
+    def block_peaks(self, table: schedules.Table, blocks: Blocks, bounds: Sequence[int], recompute: Sequence[bool],
+                    time_scale: Sequence[float], saved_scale: Sequence[float]) -> list[float]:
+        """Each stage's peak as the splitter sees it (block sums), to compare with the exact one."""
+        rc, live = self.recompute_costs(blocks, time_scale, saved_scale), peak_live(table)
+        return [rc.peak(i, j, live[k], self.memory) if recompute[k] else rc.costs.stage_peak(i, j, live[k], self.memory)
+                for k, (i, j) in enumerate(zip(bounds, bounds[1:]))]
+
+    @property
+    def batch_size(self) -> int:
+        return batch_size_of(self.batch)
+
+    def estimated(self, layout: Layout) -> Candidate:
+        """The layout split and simulated on block estimates (SplitError when nothing fits). Cuts stay
+        between modules unless cutting inside them makes the slowest stage INNER_CUT_GAIN faster."""
+        table = self.table(layout)
+        size = layout.microbatch_size(self.batch_size)
+        try:
+            coarse: tuple[Partition, tuple[bool, ...]] | None = self.split(layout, table, self.blocks(size, False))
+        except SplitError:
+            coarse = None
+        fine = self.split(layout, table, self.blocks(size, True))
+        use_fine = coarse is None or fine[0].bottleneck < (1 - INNER_CUT_GAIN) * coarse[0].bottleneck
+        chosen, flags = fine if use_fine or coarse is None else coarse
+        stages = estimate(self.graph(size), self.blocks(size, use_fine), chosen.bounds, recompute=flags)
+        return self.evaluate(layout, stages, table, fine=use_fine, bounds=chosen.bounds)
+
+
+def _block_label(blocks: Blocks, k: int) -> str:
+    names = [blocks.names[p] for p in sorted(blocks.params[k])]
+    return f"block {k}, equations {blocks.bounds[k]}-{blocks.bounds[k + 1] - 1}" + (f", {abbreviate(names)}" if names else "")
+
+
+def schedule_options(schedule: str, layout: Layout) -> dict[str, Any]:
+    key = MULTI_STAGE_SCHEDULES.get(schedule)
+    return {key: layout.stages_per_rank} if key else {}
+
+
+def batch_size_of(batch: Sequence[Any]) -> int:
+    sizes = set()
+    for i, x in enumerate(pytree.tree_leaves(tuple(batch))):
+        if not isinstance(x, (torch.Tensor, ir.TensorSpec)) or len(x.shape) == 0:
+            raise PlanError(f"batch leaf {i} is {type(x).__name__} {getattr(x, 'shape', '')}: every batch leaf must be "
+                            "a tensor (or ir.TensorSpec) with the batch along dim 0")
+        sizes.add(int(x.shape[0]))
+    if len(sizes) != 1:
+        raise PlanError(f"batch leaves have different sizes along dim 0: {sorted(sizes)}; the example batch must "
+                        "be the full batch, every leaf cut along dim 0 into the same number of rows")
+    return sizes.pop()

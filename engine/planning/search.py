@@ -1,0 +1,288 @@
+"""`engine.plan`: trace once per microbatch size, split with the DP, pick the fastest layout, verify it.
+
+One process, no launch: a laptop plans for a cluster. Every candidate layout (pipeline depth, dp,
+microbatches) is split on estimated block costs and simulated with its schedule; the fastest that fits in
+memory is then made exact: its stages go through stage autodiff, the block estimates are corrected by
+what autodiff reports, and the split is redone until it is stable and every rank fits.
+
+Activation recomputation is chosen per stage inside the split (`stagecost.split_recompute`): with
+recompute="auto" a stage recomputes only when it does not fit its budget without, paying its forward
+twice; when that happened, the best split without any recomputation is made exact too and the faster
+of the two wins.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+import ir
+import schedules
+
+from ..errors import PlanError, SplitError
+from ..progress import track
+from .artifacts import Planned, Workshop, lowered_table
+from .calibration import Calibration
+from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size_of, schedule_options
+from .devices import DeviceProfile, LinkProfile, get_device, get_link
+from .layout import Layout, layouts
+from .memory import MemoryModel, gib, stage_peaks
+from .op_costs import CostModel, graph_hash
+from .plan import Plan, StagePlan
+from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
+
+log = logging.getLogger("engine.plan")
+split_log = logging.getLogger("engine.split")
+
+REFINE_ROUNDS = 4
+
+
+def _stages_per_rank(schedule: str, stages_per_rank: int | None, stages: Any, dp: Any, world_size: int) -> int:
+    if schedule == "zbv":
+        if stages_per_rank not in (None, 2):
+            raise PlanError(f"zbv places exactly 2 stages per rank (a V); got stages_per_rank={stages_per_rank}")
+        return 2
+    if stages_per_rank is not None:
+        if stages_per_rank > 1 and schedule not in MULTI_STAGE_SCHEDULES:
+            raise PlanError(f"schedule '{schedule}' runs one stage per rank; stages_per_rank={stages_per_rank} "
+                            f"needs one of {sorted(MULTI_STAGE_SCHEDULES)}")
+        return stages_per_rank
+    if schedule in MULTI_STAGE_SCHEDULES and isinstance(stages, int) and not isinstance(dp, str):
+        depth = world_size // (dp or 1)
+        return max(1, stages // depth) if depth else 1
+    return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def schedule_builder(schedule: str) -> Callable[..., schedules.Table]:
+    """The registered builder of `schedule`, looked up once; PlanError with the registry's closest name."""
+    try:
+        return schedules.get(schedule)
+    except (KeyError, ValueError) as err:
+        raise PlanError(str(err)) from err
+
+
+def _rank_layouts(planner: Candidates, candidates: Sequence[Layout]) -> tuple[list[Candidate], list[str]]:
+    """Every layout split and simulated on estimates, fastest first; the reasons the others failed."""
+    found, reasons = [], []
+    for layout in track(candidates, "planning: splitting layouts"):
+        try:
+            found.append(planner.estimated(layout))
+        except (SplitError, schedules.ScheduleError) as err:
+            reasons.append(f"{_describe(layout)}: {err}")
+            log.debug("%s does not fit: %s", _describe(layout), err)
+    found.sort(key=lambda c: (c.step_time, c.layout.num_stages, c.layout.microbatches))
+    return found, reasons
+
+
+def _describe(layout: Layout) -> str:
+    return (f"{layout.num_stages} stages on {layout.pipeline_depth} ranks x dp {layout.dp}, "
+            f"{layout.microbatches} microbatches")
+
+
+def _calibrate(stages: Sequence[StageCost], guesses: Sequence[StageCost], bounds: Sequence[int],
+               time_scale: list[float], saved_scale: list[float], split_bw: bool) -> None:
+    """Scale each block's estimates by its stage's exact / estimated ratio (a recomputing stage's
+    activations by its workspace: what it would keep is what it redoes)."""
+    for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
+        t = stages[k].time / guesses[k].time if guesses[k].time > 0 else 1.0
+        if stages[k].recompute:
+            held, guess = stages[k].workspace_bytes, guesses[k].workspace_bytes
+        else:
+            held, guess = stages[k].saved_bytes + (stages[k].b_to_w_bytes if split_bw else 0), guesses[k].saved_bytes
+        m = held / guess if guess else 1.0
+        for x in range(i, j):
+            time_scale[x], saved_scale[x] = t, m
+
+
+def _refine(planner: Candidates, first: Candidate) -> Candidate:
+    """Make a candidate exact: stage autodiff for its stages, recalibrate the blocks, re-split until stable."""
+    layout = first.layout
+    size = layout.microbatch_size(planner.batch_size)
+    table, graph = planner.table(layout), planner.graph(size)
+    split_bw = splits_bw(table)
+    blocks = planner.blocks(size, first.fine, exact=True, split_bw=split_bw)
+    time_scale, saved_scale = [1.0] * blocks.num_blocks, [1.0] * blocks.num_blocks
+    budgets = [planner.limit / layout.stages_per_rank] * layout.num_stages
+    part, flags = planner.split(layout, table, blocks)
+    bounds, seen, best, last = part.bounds, set(), None, None
+    for _ in range(REFINE_ROUNDS):
+        stages = planner.exact(size, [blocks.bounds[b] for b in bounds[1:-1]], flags)
+        last = planner.evaluate(layout, stages, table, fine=first.fine, bounds=bounds)
+        if max(last.rank_memory) <= planner.limit and (best is None or last.step_time < best.step_time):
+            best = last
+        seen.add((bounds, flags))
+        _calibrate(stages, estimate(graph, blocks, bounds, recompute=flags), bounds, time_scale, saved_scale,
+                   split_bw)
+        seen_peaks = planner.block_peaks(table, blocks, bounds, flags, time_scale, saved_scale)
+        for rank, peak in enumerate(last.rank_memory):
+            for s in table.stages_of(rank) if peak > planner.limit else ():  # so that this split no longer fits
+                budgets[s] = min(budgets[s], seen_peaks[s]) * planner.limit / peak
+        try:
+            part, flags = planner.split(layout, table, blocks, time_scale, saved_scale, budgets)
+        except SplitError:
+            if best is not None:
+                break
+            raise
+        bounds = part.bounds
+        if (bounds, flags) in seen and best is not None:
+            break
+    if best is None:
+        raise SplitError(_exact_overflow(last, planner.limit, table, planner.recompute))
+    return best
+
+
+def _refine_auto(planner: Candidates, first: Candidate) -> Candidate:
+    """`_refine`; when "auto" made stages recompute, also the best split without any, and the faster of the two."""
+    best = _refine(planner, first)
+    if planner.recompute != "auto" or not any(best.recompute):
+        return best
+    planner.recompute = False
+    try:
+        plain = _refine(planner, planner.estimated(first.layout))
+    except (SplitError, schedules.ScheduleError):
+        return best
+    finally:
+        planner.recompute = "auto"
+    return plain if plain.step_time <= best.step_time else best
+
+
+def _exact_overflow(cand: Candidate, limit: float, table: schedules.Table, mode: bool | str = False) -> str:
+    rank = max(range(len(cand.rank_memory)), key=lambda r: cand.rank_memory[r])
+    mine = table.stages_of(rank)
+    largest = max(cand.stages, key=lambda s: s.saved_bytes + s.b_to_w_bytes)
+    redo = [k for k in mine if cand.stages[k].recompute]
+    if mode is False:
+        fix = ("make it fit with activation recomputation (recompute='auto'), more pipeline stages, or a smaller "
+               "microbatch (more microbatches per step); or raise memory_limit")
+    else:
+        fix = ("make it fit with more pipeline stages or a smaller microbatch (more microbatches per step); or raise "
+               "memory_limit")
+    done = f", with activation recomputation on stages {redo}" if redo else ""
+    return (f"{_describe(cand.layout)}: rank {rank} (stages {list(mine)}) needs {gib(cand.rank_memory[rank])} by "
+            f"stage autodiff{done}, the limit is {gib(limit)}; the largest stage keeps "
+            f"{gib(largest.saved_bytes + largest.b_to_w_bytes)} of activations per microbatch; {fix}")
+
+
+def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequence[int]) -> Candidate:
+    """The user's cuts, costed exactly, under the fastest layout that fits."""
+    best, reasons = None, []
+    for layout in candidates:
+        size = layout.microbatch_size(planner.batch_size)
+        try:
+            table = planner.table(layout)
+            cand = _fixed_recompute(planner, layout, table, size, cuts)
+        except (schedules.ScheduleError, ir.IRError) as err:
+            raise PlanError(f"cuts {list(cuts)} with {_describe(layout)}: {err}") from err
+        if max(cand.rank_memory) > planner.limit:
+            reasons.append(_exact_overflow(cand, planner.limit, table, planner.recompute))
+        elif best is None or cand.step_time < best.step_time:
+            best = cand
+    if best is None:
+        raise SplitError("; ".join(reasons))
+    return best
+
+
+def _fixed_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
+                     cuts: Sequence[int]) -> Candidate:
+    """Fixed cuts costed exactly; with recompute "auto", the stages of each rank over the limit
+    recompute (until every rank fits or all its stages do)."""
+    flags = [planner.recompute is True] * layout.num_stages
+    while True:
+        cand = planner.evaluate(layout, planner.exact(size, cuts, flags), table)
+        over = [s for r, peak in enumerate(cand.rank_memory) if peak > planner.limit for s in table.stages_of(r)
+                if not flags[s]]
+        if planner.recompute != "auto" or not over:
+            return cand
+        for s in over:
+            flags[s] = True
+
+
+def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
+    layout = cand.layout
+    size = layout.microbatch_size(planner.batch_size)
+    graph, table, memory = planner.graph(size), planner.table(layout), planner.memory
+    peaks = stage_peaks(table, [s.memory(memory, split_bw=splits_bw(table)) for s in cand.stages], memory)
+    stages = tuple(StagePlan(
+        index=k, start=s.start, stop=s.stop, rank=table.rank_of(k), forward_time=s.forward,
+        backward_input_time=s.backward_input, backward_weight_time=s.backward_weight, param_bytes=s.param_bytes,
+        flops=s.flops, activation_bytes=s.saved_bytes + s.b_to_w_bytes + s.recv_bytes, send_bytes=s.send_bytes,
+        peak_memory=int(peaks[k]), names=tuple(graph.input_names[p] for p in s.params),
+        num_params=s.num_params) for k, s in enumerate(cand.stages))
+    return Plan(
+        schedule=schedule, num_stages=layout.num_stages, pipeline_depth=layout.pipeline_depth, dp=layout.dp,
+        microbatches=layout.microbatches, cuts=tuple(s.start for s in cand.stages[1:]), stages=stages,
+        schedule_options=tuple(sorted(schedule_options(schedule, layout).items())),
+        predicted_step_time=cand.step_time, bubble_fraction=cand.bubble, graph_hash=graph_hash(graph),
+        device=planner.model.device.name, memory_limit=int(planner.limit), link=planner.model.link.name,
+        microbatch_size=size, num_eqns=len(graph.eqns), allreduce_time=cand.allreduce,
+        rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute)
+
+
+def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedule: str = "1f1b",
+           stages: int | str | None = None, dp: int | str | None = None, microbatches: int | str = "auto",
+           memory_limit: int | None = None, device: str | DeviceProfile = "cpu", stages_per_rank: int | None = None,
+           cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
+           memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
+           recompute: bool | str = "auto", workshop: Workshop | None = None,
+           build: Callable[..., schedules.Table] | None = None) -> Planned:
+    """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
+    F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
+    each done once) and `build` (the schedule's builder) may be handed in by a caller that has them."""
+    profile = get_device(device)
+    model = CostModel(profile, get_link(link, profile), calibration)
+    build = build or schedule_builder(schedule)
+    recompute = recompute_mode(recompute)
+    if memory_limit is not None and not memory_limit > 0:
+        raise PlanError(f"memory_limit is bytes per rank and must be > 0, got {memory_limit!r}; None means the "
+                        f"device's {profile.memory_bytes / 1e9:.0f} GB")
+    if cuts is not None:
+        if isinstance(stages, int) and stages != len(cuts) + 1:
+            raise PlanError(f"stages={stages} but {len(cuts)} cuts make {len(cuts) + 1} stages; give one or the other")
+        stages = len(cuts) + 1
+    v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
+    candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
+    trace_device = "cuda" if profile.kind == "cuda" and torch.cuda.is_available() else "cpu"
+    workshop = workshop or Workshop(fn, params, example_batch, device=trace_device)
+    planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
+                         limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
+                         min_blocks=max(c.num_stages for c in candidates), recompute=recompute)
+    if cuts is not None:
+        return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
+    ranked, reasons = _rank_layouts(planner, candidates)
+    for cand in track(ranked, "planning: exact stage costs"):
+        try:
+            return _chosen(planner, _refine_auto(planner, cand))
+        except SplitError as err:
+            reasons.append(str(err))
+            log.debug("%s", err)
+    raise SplitError("no layout fits: " + "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
+
+
+def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
+    """Plan `fn(params, *example_batch)` on `world_size` ranks (how: see the module docstring).
+
+    `example_batch` is the full batch (leaves may be tensors, meta tensors or ir.TensorSpec; params too):
+    each layout's microbatch is its rows split into dp x microbatches parts. `stages`, `dp` and
+    `microbatches` take a count or "auto" (the fastest predicted layout that fits); by default dp = 1 and
+    every rank is a pipeline position. `cuts` (equation indices) skip the splitter. `device` is a profile
+    name ("h100", "h200", "cpu", "cuda") whose memory is the default `memory_limit` (bytes per rank).
+    `recompute` is activation recomputation per stage (F keeps only the stage's outputs, B redoes the
+    forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
+    (`plan.recompute` says which). Other options: `world_size` (1), `schedule` ("1f1b"),
+    `stages_per_rank`, `link`, `memory_model`, `calibration`. Raises PlanError for counts that do not fit
+    the world or batch, SplitError when nothing fits memory. `search` takes the same and also returns
+    the graph, stage programs and lowered table it made on the way.
+    """
+    return search(fn, params, *example_batch, **options).plan
+
+
+def _chosen(planner: Candidates, cand: Candidate) -> Planned:
+    p = _to_plan(planner, cand, planner.schedule)
+    log.info("plan:\n%s", p)
+    if any(p.recompute):
+        split_log.info("activation recomputation on stages %s (memory limit %s)",
+                       [k for k, r in enumerate(p.recompute) if r], gib(p.memory_limit or 0))
+    size = p.microbatch_size
+    return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute),
+                   lowered_table(p, planner.build))

@@ -1,0 +1,88 @@
+"""One path from plan to program: each expensive pass runs once per `parallelize`, and every caller assembles alike."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+import engine
+from engine.execution import assemble as assemble_mod
+from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.search import search
+from engine.testing import _cache
+from tests.mpi import passes
+from tests.mpi.jobs import BIN, job_env, launch
+
+
+def _records(out: str) -> dict[tuple[int, str], dict]:
+    return {(int(r), case): json.loads(body)
+            for r, case, body in re.findall(r"^PASSES rank (\d+) (\S+) (\{.*\})$", out, flags=re.M)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> str:
+    cmd = [str(BIN / "mpirun"), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+           "tests/mpi/passes.py"]
+    return launch(cmd, timeout=300, env=job_env())
+
+
+@pytest.mark.mpi
+def test_parallelize_traces_once_differentiates_each_stage_once_and_emits_only_its_rank(two_ranks: str) -> None:
+    recs = _records(two_ranks)
+    assert set(recs) == {(r, c) for r in range(2) for c in ("given_cuts", "split_by_the_planner")}, two_ranks
+    for rank in range(2):
+        given = recs[(rank, "given_cuts")]
+        assert given["num_stages"] == 2
+        assert given["trace"] == 1, given                       # one trace of the microbatch graph
+        assert given["stage_autodiff"] == given["distinct_stage_autodiff"] == 2, given   # one per stage
+        assert given["emitted_for"] == [rank], given             # this rank's program only
+        assert given["registry_get"] == 1 and given["lower"] == 1 and given["simulate"] == 1, given
+        auto = recs[(rank, "split_by_the_planner")]
+        assert auto["trace"] == 1 and auto["emitted_for"] == [rank] and auto["lower"] == 1, auto
+        assert auto["registry_get"] == 1, auto
+        # the splitter differentiates blocks and candidate stages to cost them; none of them twice
+        assert auto["stage_autodiff"] == auto["distinct_stage_autodiff"], auto
+    assert two_ranks.count("OK rank") == 4, two_ranks
+
+
+def test_the_counter_sees_a_second_trace() -> None:
+    """The counting must be able to fail: tracing again while counting is seen."""
+    c = passes.counting()
+    try:
+        params = {"layers": [torch.randn(4, 4)]}
+        x = torch.randn(2, 4)
+        import ir
+        ir.trace(passes.mlp_loss, params, x, x)
+        ir.trace(passes.mlp_loss, params, x, x)
+    finally:
+        c.restore()
+    assert c.calls["trace"] == 2
+
+
+def test_the_harness_the_inprocess_runner_and_a_step_run_the_programs_assemble_makes(monkeypatch) -> None:
+    """Every caller goes through `assemble`: the in-process runner and engine.testing assemble each rank once."""
+    seen: list[int] = []
+    real = assemble_mod.assemble
+
+    def counted(planned, rank):  # type: ignore[no-untyped-def]
+        seen.append(rank)
+        return real(planned, rank)
+
+    monkeypatch.setattr(assemble_mod, "assemble", counted)
+    import engine.execution.inprocess as inprocess_mod
+    monkeypatch.setattr(inprocess_mod, "assemble", counted)
+    params = {"layers": [torch.randn(8, 8, dtype=torch.float64) / 3 for _ in range(3)]}
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    planned = search(passes.mlp_loss, params, x, y, world_size=2, stages=2, microbatches=2)
+    result = run_steps(build_steps(passes.mlp_loss, params, (x, y), planned), params, (x, y))
+    assert seen == [0, 1]
+    ref = torch.func.grad(passes.mlp_loss)(params, x, y)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=0) for a, b in zip(result.grads["layers"], ref["layers"]))
+    seen.clear()
+    _cache._WORKSHOPS.clear()
+    engine.testing.assert_parallel_equivalent(passes.mlp_loss, params, x, y, schedule="1f1b", stages=2,
+                                              microbatches=2)
+    assert seen == [0, 1]
