@@ -9,7 +9,6 @@ import attrs
 
 from schedules.action import BW, Action, F, W
 from schedules.costs import Costs
-from schedules.execute import Timing
 from schedules.execute import execute as _execute
 from schedules.index import TableIndex
 from schedules.table import Table
@@ -34,6 +33,8 @@ class Simulation:
     bubble_fraction: float
     peak_live: tuple[int, ...]
     peak_memory: tuple[float, ...]
+    stage_peak_live: tuple[int, ...] = ()  # per stage: most of its microbatches live at once
+    stage_peak_memory: tuple[float, ...] = ()  # per stage: most bytes its live microbatches held (no static)
 
     def __str__(self) -> str:
         live = ", ".join(map(str, self.peak_live))
@@ -59,7 +60,13 @@ def simulate(table: Table, costs: Costs | None = None) -> Simulation:
     busy = tuple(sum(duration[k] for k in row) for row in index.rows)
     idle = tuple(makespan - b for b in busy)
     total = makespan * table.num_ranks
-    peaks = [_peaks(index, timing, costs, r) for r in range(table.num_ranks)]
+    peaks = [_peaks(index, costs, r) for r in range(table.num_ranks)]
+    stage_live, stage_memory = [0] * table.num_stages, [0.0] * table.num_stages
+    for peak in peaks:
+        for stage, n in peak.stage_live.items():
+            stage_live[stage] = n
+        for stage, m in peak.stage_memory.items():
+            stage_memory[stage] = m
     return Simulation(
         table=table,
         costs=costs,
@@ -69,26 +76,45 @@ def simulate(table: Table, costs: Costs | None = None) -> Simulation:
         busy=busy,
         idle=idle,
         bubble_fraction=sum(idle) / total if total > 0 else 0.0,
-        peak_live=tuple(live for live, _ in peaks),
-        peak_memory=tuple(memory for _, memory in peaks),
+        peak_live=tuple(p.live for p in peaks),
+        peak_memory=tuple(p.memory for p in peaks),
+        stage_peak_live=tuple(stage_live),
+        stage_peak_memory=tuple(stage_memory),
     )
 
 
-def _peaks(index: TableIndex, timing: Timing, costs: Costs, rank: int) -> tuple[int, float]:
-    """Peak live stage-microbatches and peak memory of one rank, walking its row in time order."""
+@attrs.frozen
+class _Peaks:
+    """One rank's peaks, and each of its stages' on their own."""
+
+    live: int
+    memory: float
+    stage_live: dict[int, int]
+    stage_memory: dict[int, float]
+
+
+def _peaks(index: TableIndex, costs: Costs, rank: int) -> _Peaks:
+    """Peak live stage-microbatches and peak memory of one rank, walking its row in order (a rank runs
+    its actions in order, so this is exact for any timing); the same per stage, for its own bytes."""
     live = peak_live = 0
     memory = peak_memory = costs.static(rank)
+    now_live: dict[int, int] = {}
+    now_memory: dict[int, float] = {}
+    top_live: dict[int, int] = {}
+    top_memory: dict[int, float] = {}
     for k in index.rows[rank]:
         action = index.actions[k]
         if not action.is_compute:
             continue
+        s, opens, closes = action.stage, action.kind == F, action.kind in _FREES
         at_start, at_end = costs.memory_delta(action)
-        live += action.kind == F
-        memory += at_start
+        live, memory = live + opens, memory + at_start
+        now_live[s], now_memory[s] = now_live.get(s, 0) + opens, now_memory.get(s, 0.0) + at_start
         peak_live, peak_memory = max(peak_live, live), max(peak_memory, memory)
-        live -= action.kind in _FREES
-        memory += at_end
-    return peak_live, peak_memory
+        top_live[s], top_memory[s] = max(top_live.get(s, 0), now_live[s]), max(top_memory.get(s, 0.0), now_memory[s])
+        live, memory = live - closes, memory + at_end
+        now_live[s], now_memory[s] = now_live[s] - closes, now_memory[s] + at_end
+    return _Peaks(peak_live, peak_memory, top_live, top_memory)
 
 
 def as_simulation(schedule: Table | Simulation) -> Simulation:

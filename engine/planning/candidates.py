@@ -98,7 +98,7 @@ class Candidates:
         sim = schedules.simulate(table, schedule_costs(stages, table, self.model, self.memory))
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
-        peaks = rank_peaks(table, [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages], self.memory)
+        peaks = rank_peaks(table, [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages], self.memory, sim)
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
                          allreduce, peaks, tuple(s.recompute for s in stages))
 

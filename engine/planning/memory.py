@@ -1,11 +1,13 @@
-"""The memory model: bytes a stage needs per microbatch and statically, and the peak of each rank.
+"""The memory model: bytes a stage needs per microbatch and statically, and the peak of each rank and stage.
 
 A stage holds its parameters with their grads and optimizer state (`param bytes x (2 + optimizer
 factor)`, factor 2 for Adam), one send and one receive buffer each way, the temporaries of the one F, B or
-W running, and per microbatch in flight the activations F saved for B/W plus the received input B/W read. How many microbatches are in flight is a
-property of the schedule: a rank runs its actions in order, so walking its row (F opens a microbatch of
-that stage, its last backward action closes it) gives the exact peak for any timing. A rank holding
-several stages (interleaved, ZB-V) peaks at the largest sum over its stages, not at the sum of peaks.
+W running, and per microbatch in flight the activations F saved for B/W plus the received input B/W
+read. How many microbatches are in flight is a property of the schedule: `schedules.simulate` walks
+each rank's row (a rank runs its actions in order, so the peak is exact for any timing); this module
+gives it the bytes and reads the peaks back. A rank holding several stages (interleaved, ZB-V) peaks at
+the largest sum over its stages, not at the sum of peaks. (The bytes a step really holds are replayed
+from the emitted programs by `engine.execution.footprint`.)
 """
 from __future__ import annotations
 
@@ -14,8 +16,6 @@ from typing import Sequence
 import attrs
 
 import schedules
-
-BACKWARD_KINDS = ("B", "BW", "W")
 
 
 @attrs.frozen
@@ -54,74 +54,33 @@ class MemoryModel:
         return (memory.static + memory.workspace + live * memory.per_microbatch) * (1 + self.margin)
 
 
-Live = dict[int, tuple[int, int, int]]  # stage -> (microbatches past F, of them between B and W, in a B now)
-
-
-def _closing_kind(row: Sequence[schedules.Action]) -> dict[int, str]:
-    """Per stage on this row, the action kind that ends a microbatch's life (W when the row splits B/W)."""
-    kinds: dict[int, set[str]] = {}
-    for a in row:
-        kinds.setdefault(a.stage, set()).add(a.kind)
-    return {s: next(k for k in ("W", "BW", "B") if k in ks) for s, ks in kinds.items() if ks & set(BACKWARD_KINDS)}
-
-
-def live_trace(row: Sequence[schedules.Action]) -> list[Live]:
-    """Per stage, microbatches in flight (those between B and W, and one inside a B) after each compute
-    action of a row, and while each B of a split B/W runs (its hand-over to W is made then, before B's
-    own frees)."""
-    closing = _closing_kind(row)
-    live: Live = {}
-    trace = []
-    for a in row:
-        if not a.is_compute:
-            continue
-        n, bw, _ = live.get(a.stage, (0, 0, 0))
-        end = closing.get(a.stage)
-        if a.kind == "F":
-            n += 1
-        elif a.kind == end:
-            n, bw = n - 1, bw - (a.kind == "W")
-        elif a.kind == "B" and end == "W":
-            trace.append({**live, a.stage: (n, bw, 1)})
-            bw += 1
-        live[a.stage] = (n, bw, 0)
-        trace.append(dict(live))
-    return trace
-
-
 def peak_live(table: schedules.Table) -> tuple[int, ...]:
-    """Largest number of microbatches in flight at each stage."""
-    peaks = [0] * table.num_stages
-    for row in table.rows:
-        for live in live_trace(row):
-            for s, (n, _, _) in live.items():
-                peaks[s] = max(peaks[s], n)
-    return tuple(peaks)
+    """Largest number of microbatches in flight at each stage (`schedules.simulate` walks the rows)."""
+    return schedules.simulate(table).stage_peak_live
 
 
-def _bytes(live: Live, stages: Sequence[StageMemory], only: int | None = None) -> float:
-    return sum((n - bw) * stages[s].per_microbatch + bw * stages[s].between_b_and_w + b * stages[s].b_to_w
-               for s, (n, bw, b) in live.items() if only is None or s == only)
+def stage_costs_of(table: schedules.Table, stages: Sequence[StageMemory]) -> schedules.Costs:
+    """The simulator's memory view of `stages` on `table` (times left at their defaults)."""
+    return schedules.Costs(
+        memory_per_microbatch=tuple(m.per_microbatch for m in stages), memory_b_to_w=tuple(m.b_to_w for m in stages),
+        static_memory=tuple(rank_static(table, stages, r) for r in range(table.num_ranks)),
+        memory_after_b=tuple(m.between_b_and_w for m in stages))
 
 
-def stage_peaks(table: schedules.Table, stages: Sequence[StageMemory], model: MemoryModel) -> tuple[float, ...]:
-    """Peak bytes of each stage on its own, margin included."""
-    dynamic = [0.0] * table.num_stages
-    for row in table.rows:
-        for live in live_trace(row):
-            for s in live:
-                dynamic[s] = max(dynamic[s], _bytes(live, stages, s))
-    return tuple((m.static + m.workspace + d) * (1 + model.margin) for m, d in zip(stages, dynamic))
+def stage_peaks(table: schedules.Table, stages: Sequence[StageMemory], model: MemoryModel,
+                sim: schedules.Simulation | None = None) -> tuple[float, ...]:
+    """Peak bytes of each stage on its own, margin included (`sim`: the table simulated with these
+    stages' memory, if the caller has it)."""
+    sim = sim or schedules.simulate(table, stage_costs_of(table, stages))
+    return tuple((m.static + m.workspace + d) * (1 + model.margin) for m, d in zip(stages, sim.stage_peak_memory))
 
 
-def rank_peaks(table: schedules.Table, stages: Sequence[StageMemory], model: MemoryModel) -> tuple[float, ...]:
-    """Peak bytes of each rank: its stages' static bytes plus the largest in-flight sum, margin included."""
-    peaks = []
-    for rank, row in enumerate(table.rows):
-        static = rank_static(table, stages, rank)
-        dynamic = max((_bytes(live, stages) for live in live_trace(row)), default=0.0)
-        peaks.append((static + dynamic) * (1 + model.margin))
-    return tuple(peaks)
+def rank_peaks(table: schedules.Table, stages: Sequence[StageMemory], model: MemoryModel,
+               sim: schedules.Simulation | None = None) -> tuple[float, ...]:
+    """Peak bytes of each rank: its stages' static bytes plus the largest in-flight sum, margin included
+    (the walk over each rank's row is `schedules.simulate`'s)."""
+    sim = sim or schedules.simulate(table, stage_costs_of(table, stages))
+    return tuple(peak * (1 + model.margin) for peak in sim.peak_memory)
 
 
 def rank_static(table: schedules.Table, stages: Sequence[StageMemory], rank: int) -> float:

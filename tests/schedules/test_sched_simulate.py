@@ -112,3 +112,18 @@ def test_64_ranks_256_microbatches_is_exact_and_not_quadratic() -> None:
     elapsed = time.perf_counter() - began
     assert sim.makespan == 3 * (256 + 63)
     assert elapsed < 10.0, f"simulate took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (3, 2)])
+def test_each_stage_peaks_on_its_own(p: int, m: int) -> None:
+    """Per stage: 1F1B stage s holds min(m, p - s) microbatches; interleaved stages of one rank each less
+    than the rank; bytes per stage are its live microbatches times its per-microbatch bytes."""
+    costs = schedules.Costs(memory_per_microbatch=tuple(10.0 + s for s in range(p)))
+    sim = schedules.simulate(schedules.one_f_one_b(p, m), costs)
+    assert sim.stage_peak_live == tuple(min(m, p - s) for s in range(p))
+    assert sim.stage_peak_memory == tuple(min(m, p - s) * (10.0 + s) for s in range(p))
+    inter = schedules.simulate(schedules.interleaved_1f1b(2 * p, 2 * p, stages_per_rank=2))
+    for rank in range(p):
+        mine = inter.table.stages_of(rank)
+        assert all(0 < inter.stage_peak_live[s] <= inter.peak_live[rank] for s in mine)
+        assert sum(inter.stage_peak_live[s] for s in mine) >= inter.peak_live[rank]
