@@ -6,7 +6,7 @@
     if step.world.rank == 0:
         print(engine.report.compare(step, every, memory=memory))
         engine.report.save_timeline_png(every, "timeline.png")
-        engine.tracing.save_perfetto(every, "trace.json")   # ui.perfetto.dev
+        engine.execution.spans.save_perfetto(every, "trace.json")   # ui.perfetto.dev
 
 Ratios are measured / predicted: above 1 the plan was optimistic. Times are medians over microbatches of
 one traced step; an instruction's time includes waiting for the inputs it receives (the runtime waits
@@ -22,15 +22,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+import schedules
+
 from .execution.program import COMPUTE, SHORT
 from .planning.plan import Plan
-from .execution.spans import Span, stage_times
+from .execution.spans import Span, stage_times, timeline
 
 log = logging.getLogger("engine.report")
 KINDS = tuple(SHORT.items())  # (instruction kind, its letter as a schedule action)
-COLORS = {"forward": "#4C72B0", "backward_input": "#DD8452", "backward_weight": "#55A868",
-          "backward": "#C44E52"}  # as schedules.png
-COMM_COLOR, OTHER_COLOR = "#8C8C8C", "#C8C8C8"
 
 
 def _ms(seconds: float | None) -> str:
@@ -121,34 +120,5 @@ def log_compare(step: Any, spans: Sequence[Span], **kw: Any) -> str:
 
 
 def save_timeline_png(spans: Sequence[Span], path: str | Path, *, title: str | None = None) -> None:
-    """The measured step as a picture: one row per rank, a bar per instruction coloured by kind (F, B, W;
-    communication as a thin grey bar under the row; loss and grad reductions light grey)."""
-    from matplotlib.figure import Figure  # lazy: only this needs matplotlib
-    from matplotlib.patches import Patch
-
-    ranks = sorted({s.rank for s in spans})
-    end = max((s.end for s in spans), default=0.0)
-    fig = Figure(figsize=(min(40.0, 6.0 + 0.3 * max(1, len(spans) // max(1, len(ranks)))), 1.4 + 0.6 * len(ranks)))
-    ax = fig.add_subplot()
-    row = {r: i for i, r in enumerate(ranks)}
-    for s in spans:
-        y, width = row[s.rank], max(s.end - s.start, 0.0) * 1e3
-        if s.kind in COMPUTE:
-            ax.barh(y, width, left=s.start * 1e3, height=0.6, color=COLORS[s.kind], edgecolor="white", linewidth=0.5)
-            if width > end * 1e3 / 80:
-                ax.text((s.start + s.end) / 2 * 1e3, y, s.name, ha="center", va="center", fontsize=6, color="white")
-        elif s.kind == "comm":
-            ax.barh(y + 0.36, width, left=s.start * 1e3, height=0.12, color=COMM_COLOR)
-        else:
-            ax.barh(y, width, left=s.start * 1e3, height=0.3, color=OTHER_COLOR)
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
-    ax.set_ylim(len(ranks) - 0.5, -0.5)
-    ax.set_xlim(0, max(end * 1e3, 1e-3))
-    ax.set_xlabel("ms from the step's start")
-    heading = f"measured step {end * 1e3:.2f} ms"
-    ax.set_title(f"{title}: {heading}" if title else heading)
-    handles = [Patch(color=COLORS[k], label=f"{short} {k.replace('_', ' ')}") for k, short in KINDS]
-    handles += [Patch(color=COMM_COLOR, label="communication"), Patch(color=OTHER_COLOR, label="loss / reductions")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    """The measured step as a picture (`schedules.save_png`, the colours and labels of a simulated one)."""
+    schedules.save_png(timeline(spans), path, title=title)

@@ -95,9 +95,11 @@ def main() -> None:
         OUT.mkdir(exist_ok=True)
         print("\n== measured timeline of one step ==")
         print(render_spans(spans))
-        save_perfetto(spans, str(OUT / "demo_trace.json"))
-        schedules.save_png(schedules.simulate(step.table), str(OUT / "demo_schedule.png"))
-        print(f"wrote {OUT}/demo_trace.json (Perfetto) and {OUT}/demo_schedule.png\n\n== training ==")
+        save_perfetto(spans, OUT / "demo_trace.json")
+        engine.report.save_timeline_png(spans, OUT / "demo_run.png", title="measured")
+        schedules.save_png(schedules.simulate(step.table), OUT / "demo_schedule.png", title="simulated")
+        print(f"wrote {OUT}/demo_trace.json (Perfetto), {OUT}/demo_run.png and {OUT}/demo_schedule.png "
+              "(the same colours and labels)\n\n== training ==")
     train(step, params, loader, 30)
 
 

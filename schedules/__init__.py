@@ -1,4 +1,4 @@
-"""Pipeline schedules as plain data: actions, tables, registry, validation, lowering, simulation."""
+"""Pipeline schedules as plain data: actions, tables, registry, lowering, simulation, timelines."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from schedules.render import render_ascii
 from schedules.simulate import Simulation, simulate
 from schedules.table import Table
 from schedules.table_io import load_table, save_table
+from schedules.timeline import Bar, Timeline, as_timeline
 from schedules.validate import validate
 from schedules.zb_h1 import zb_h1
 from schedules.zbv import zbv
@@ -36,8 +37,8 @@ from schedules.zbv import zbv
 __all__ = [
     "B", "BW", "COMM_KINDS", "COMPUTE_KINDS", "F", "KINDS", "RECV_B", "RECV_F", "SEND_B",
     "SEND_F", "W",
-    "Action", "Costs", "ScheduleError", "ScheduleFn", "Simulation", "Table",
-    "get", "gpipe", "interleaved_1f1b", "load_table", "lower", "names", "one_f_one_b",
-    "register", "render_ascii", "save_perfetto", "save_png", "save_table", "simulate",
-    "to_perfetto", "validate", "zb_h1", "zbv",
+    "Action", "Bar", "Costs", "ScheduleError", "ScheduleFn", "Simulation", "Table", "Timeline",
+    "as_timeline", "get", "gpipe", "interleaved_1f1b", "load_table", "lower", "names",
+    "one_f_one_b", "register", "render_ascii", "save_perfetto", "save_png", "save_table",
+    "simulate", "to_perfetto", "validate", "zb_h1", "zbv",
 ]

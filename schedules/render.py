@@ -1,4 +1,4 @@
-"""render_ascii: a rank x time grid of a simulated schedule, idle time shown as dots."""
+"""render_ascii: a rank x time grid of a schedule or a measured run, idle time shown as dots."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from bisect import bisect_left
 from fractions import Fraction
 from itertools import pairwise
 
-from schedules.action import Action
+from schedules.errors import ScheduleError
 from schedules.grid import format_grid
-from schedules.simulate import Simulation, as_simulation
+from schedules.simulate import Simulation
 from schedules.table import Table
+from schedules.timeline import Bar, Timeline, as_timeline
 
 __all__ = ["render_ascii"]
 
@@ -36,31 +37,53 @@ def _columns(times: list[float]) -> list[float]:
     return [t for t, after in pairwise(times) if after > t]
 
 
-def render_ascii(schedule: Table | Simulation) -> str:
+def render_ascii(schedule: Table | Simulation | Timeline, *, width: int | None = None) -> str:
     """One line per rank, one column per time step (the largest step dividing all start and end
     times of compute, else one per interval between them); the header gives each column's start.
 
-    A table is first simulated with the default costs (F = B = W = 1, BW = 2). An action prints
-    its name in its first column and ``-`` in the others; ``.`` is idle. Communication actions
-    take no column.
+    A table is first simulated with the default costs (F = B = W = 1, BW = 2). A compute bar prints
+    its label in its first column and ``-`` in the others; ``.`` is idle. Communication and other
+    bars take no column. With ``width``, time is drawn to scale instead (as for a measured run):
+    ``width`` columns over the makespan, each bar its label then ``-``, at least one column long.
     """
-    sim = as_simulation(schedule)
-    computes = [[a for a in row if a.is_compute] for row in sim.table.rows]
-    times = sorted({t for row in computes for a in row for t in (sim.start[a], sim.end[a])})
+    timeline = as_timeline(schedule)
+    if width is not None:
+        return _to_scale(timeline, width)
+    rows = [timeline.row(rank, compute=True) for rank in timeline.ranks]
+    times = sorted({t for row in rows for bar in row for t in (bar.start, bar.end)})
     columns = _columns(times)
-    cells = [_row_cells(sim, row, columns) for row in computes]
     return format_grid(
-        cells,
+        [_row_cells(row, columns) for row in rows],
         header=[_time(t) for t in columns],
-        labels=[f"r{rank}" for rank in range(sim.table.num_ranks)],
+        labels=[f"r{rank}" for rank in timeline.ranks],
     )
 
 
-def _row_cells(sim: Simulation, row: list[Action], columns: list[float]) -> list[str]:
+def _row_cells(row: list[Bar], columns: list[float]) -> list[str]:
     cells = [IDLE] * len(columns)
-    for action in row:
-        first = bisect_left(columns, sim.start[action])
-        last = bisect_left(columns, sim.end[action])
+    for bar in row:
+        first = bisect_left(columns, bar.start)
+        last = bisect_left(columns, bar.end)
         for c in range(first, last):
-            cells[c] = str(action) if c == first else CONTINUED * len(str(action))
+            cells[c] = bar.label if c == first else CONTINUED * len(bar.label)
     return cells
+
+
+def _to_scale(timeline: Timeline, width: int) -> str:
+    """``width`` characters a rank over the makespan; a later bar overwrites an earlier one."""
+    if width < 1:
+        raise ScheduleError(f"render_ascii needs width >= 1 column, got {width}")
+    end = timeline.makespan
+    if end <= 0 or not any(bar.is_compute for bar in timeline.bars):
+        return "(no compute)"
+    scale = width / end
+    labels = [f"r{rank}" for rank in timeline.ranks]
+    lines = [f"{timeline.summary()}; {width} columns of {timeline.format_time(end / width)}"]
+    for label, rank in zip(labels, timeline.ranks, strict=True):
+        cells = [IDLE] * width
+        for bar in sorted(timeline.row(rank, compute=True), key=lambda b: b.start):
+            first = min(round(bar.start * scale), width - 1)
+            last = max(first + 1, min(width, round(bar.end * scale)))
+            cells[first:last] = (bar.label + CONTINUED * width)[: last - first]
+        lines.append(f"{label.ljust(max(map(len, labels)))} {''.join(cells)}")
+    return "\n".join(lines)

@@ -1,14 +1,19 @@
-"""Execution traces: start and end of every instruction per rank (CUDA events on GPU), merged to Perfetto."""
+"""Execution traces: start and end of every instruction per rank (CUDA events on GPU), as a schedules.Timeline."""
 from __future__ import annotations
 
-import json
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
 import torch
 
+import schedules
+from schedules.timeline import COMM, OTHER
+
 from .program import COMPUTE, SHORT, Instr
+
+_BAR_KIND = {**SHORT, "comm": COMM}  # instruction kind -> timeline bar kind; the rest are OTHER
 
 
 @attrs.frozen
@@ -68,21 +73,6 @@ def _label(ins: Instr) -> str:
     return ins.kind
 
 
-def to_perfetto(spans: Sequence[Span]) -> dict[str, Any]:
-    """Chrome/Perfetto trace JSON: one track per rank, times in microseconds."""
-    events = [{"name": s.name, "cat": s.kind, "ph": "X", "pid": 0, "tid": s.rank,
-               "ts": s.start * 1e6, "dur": max(0.0, s.end - s.start) * 1e6,
-               "args": {"stage": s.stage, "mb": s.mb}} for s in spans]
-    ranks = sorted({s.rank for s in spans})
-    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}} for r in ranks]
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def save_perfetto(spans: Sequence[Span], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(to_perfetto(spans), f)
-
-
 def stage_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
     """Median measured seconds per (stage, F/B/W/BW) over microbatches."""
     by: dict[tuple[int, str], list[float]] = {}
@@ -92,20 +82,24 @@ def stage_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
     return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
 
 
+def timeline(spans: Sequence[Span]) -> schedules.Timeline:
+    """The measured step as the value the `schedules` writers draw (times in seconds)."""
+    return schedules.Timeline(
+        [schedules.Bar(s.rank, s.name, _BAR_KIND.get(s.kind, OTHER), s.start, s.end, s.stage, s.mb)
+         for s in spans],
+        seconds=True)
+
+
+def to_perfetto(spans: Sequence[Span]) -> dict[str, Any]:
+    """Chrome/Perfetto trace JSON: one track per rank, times in microseconds (`schedules.to_perfetto`)."""
+    return schedules.to_perfetto(timeline(spans))
+
+
+def save_perfetto(spans: Sequence[Span], path: str | Path) -> None:
+    """Write `to_perfetto` to `path` (open it at ui.perfetto.dev)."""
+    schedules.save_perfetto(timeline(spans), path)
+
+
 def render_spans(spans: Sequence[Span], *, width: int = 96) -> str:
-    """Measured timeline as text: one line per rank, each compute instruction drawn as its label
-    followed by `-` over its duration, `.` where the rank's compute stream was idle."""
-    comp = [s for s in spans if s.kind in COMPUTE]
-    if not comp:
-        return "(no compute spans)"
-    end = max(s.end for s in comp)
-    scale = width / end
-    lines = [f"measured step: {end * 1e3:.1f} ms, {width} columns of {end / width * 1e3:.2f} ms"]
-    for rank in sorted({s.rank for s in comp}):
-        row = ["."] * width
-        for s in sorted((s for s in comp if s.rank == rank), key=lambda s: s.start):
-            a, b = int(s.start * scale), max(int(s.start * scale) + 1, int(s.end * scale))
-            cells = (s.name + "-" * width)[: b - a]
-            row[a:b] = list(cells)
-        lines.append(f"r{rank} " + "".join(row[:width]))
-    return "\n".join(lines)
+    """Measured timeline as text, time to scale in `width` columns (`schedules.render_ascii`)."""
+    return schedules.render_ascii(timeline(spans), width=width)

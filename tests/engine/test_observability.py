@@ -17,7 +17,7 @@ from engine import logs, progress, report
 from engine.execution.inprocess import build_steps, run_steps
 from engine.planning.plan import Plan
 from engine.planning.search import plan
-from engine.execution.spans import Tracer, save_perfetto
+from engine.execution.spans import Span, Tracer, render_spans, save_perfetto, timeline, to_perfetto
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,4 +151,54 @@ def test_timeline_png_and_perfetto_are_written(traced: tuple, tmp_path: Path) ->
     save_perfetto(spans, str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
-    assert sum(e["ph"] == "X" and e["cat"] == "forward" for e in events) == 4 * 4  # 4 stages x 4 microbatches
+    assert sum(e["ph"] == "X" and e["cat"] == "F" for e in events) == 4 * 4  # 4 stages x 4 microbatches
+    assert {e["cat"] for e in events if e["ph"] == "X"} <= {"F", "B", "W", "BW", "comm", "other"}
+    text = render_spans(spans, width=60).splitlines()
+    assert len(text) == 3 and text[0].startswith("makespan ") and all(len(t) == 63 for t in text[1:])
+
+
+# one measured 1F1B step of 2 microbatches on 2 ranks, as the Tracer records it (seconds)
+SPANS = [
+    Span(0, "0F0", "forward", 0, 0, 0.0, 1e-3), Span(0, "0F1", "forward", 0, 1, 1e-3, 2e-3),
+    Span(0, "comm sendA1", "comm", -1, -1, 2e-3, 2.5e-3),
+    Span(0, "0BW0", "backward", 0, 0, 4.5e-3, 6.5e-3), Span(0, "0BW1", "backward", 0, 1, 7.5e-3, 9.5e-3),
+    Span(0, "reduce_grads", "reduce_grads", -1, -1, 9.5e-3, 10e-3),
+    Span(1, "1F0", "forward", 1, 0, 1.5e-3, 2.5e-3), Span(1, "1B0", "backward_input", 1, 0, 2.5e-3, 3.5e-3),
+    Span(1, "1W0", "backward_weight", 1, 0, 3.5e-3, 4.5e-3), Span(1, "1F1", "forward", 1, 1, 4.5e-3, 5.5e-3),
+    Span(1, "1BW1", "backward", 1, 1, 5.5e-3, 7.5e-3),
+]
+
+
+def test_spans_become_a_schedules_timeline() -> None:
+    tl = timeline(SPANS)
+    assert tl.seconds and tl.ranks == (0, 1)
+    assert [b.kind for b in tl.bars] == ["F", "F", "comm", "BW", "BW", "other", "F", "B", "W", "F", "BW"]
+    assert [(b.label, b.stage, b.microbatch) for b in tl.bars[2:4]] == [("comm sendA1", None, None), ("0BW0", 0, 0)]
+    assert str(tl) == "11 bars on 2 ranks, makespan 10 ms, bubble 40.0%"
+
+
+def test_render_spans_golden() -> None:
+    assert render_spans(SPANS, width=40) == (
+        "makespan 10 ms, bubble 40.0%; 40 columns of 0.25 ms\n"
+        "r0 0F0-0F1-..........0BW0----....0BW1----..\n"
+        "r1 ......1F0-1B0-1W0-1F1-1BW1----.........."
+    )
+
+
+def test_perfetto_of_spans_has_a_track_per_rank_in_microseconds() -> None:
+    trace = to_perfetto(SPANS)
+    tracks = [(e["tid"], e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M"]
+    assert tracks == [(0, "rank 0"), (1, "rank 1")]
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in events] == [s.name for s in SPANS]
+    w = events[8]
+    assert (w["name"], w["cat"], w["tid"], w["args"]) == ("1W0", "W", 1, {"stage": 1, "microbatch": 0})
+    assert (w["ts"], w["dur"]) == (pytest.approx(3500), pytest.approx(1000))
+    assert [e["cat"] for e in events[2::3]] == ["comm", "other", "W"]
+
+
+def test_engine_draws_nothing_itself() -> None:
+    """The writers live in `schedules`; engine only turns its spans into a `schedules.Timeline`."""
+    for path in (ROOT / "engine").rglob("*.py"):
+        text = path.read_text()
+        assert "matplotlib" not in text and "traceEvents" not in text and "format_grid" not in text, path
