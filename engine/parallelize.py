@@ -39,11 +39,12 @@ def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.
         except Exception as exc:  # noqa: BLE001 -- re-raised below, after the others have heard of it
             error = exc
     if world.distributed:  # always: rank 0's table wins, whatever each rank found on disk
-        import torch.distributed as dist
+        from .execution.transport import broadcast_json
+        from .planning.calibration import Calibration
 
-        box = [(table, None if error is None else f"{type(error).__name__}: {error}")]
-        dist.broadcast_object_list(box, src=0)
-        table, message = box[0]
+        text, message = broadcast_json([None if table is None else table.to_json(),
+                                        None if error is None else f"{type(error).__name__}: {error}"])
+        table = None if text is None else Calibration.from_json(text)
         if message is not None and error is None:
             raise PlanError(f"calibration failed on rank 0 ({message}); fix that run, or pass calibrate=False")
     if error is not None:

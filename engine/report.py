@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import attrs
 import torch
 
 import schedules
@@ -72,8 +73,9 @@ def measured_memory(step: Any) -> dict[int, float]:
 
 def gather(step: Any, spans: Sequence[Span]) -> tuple[list[Span], dict[int, float]]:
     """Every rank's spans and measured peak memory (a collective: call it on all ranks)."""
-    parts = step.transport.all_gather_object((list(spans), measured_memory(step)))
-    return [s for part, _ in parts for s in part], {r: m for _, mem in parts for r, m in mem.items()}
+    mine = [[attrs.asdict(s) for s in spans], [[r, m] for r, m in measured_memory(step).items()]]
+    parts = step.transport.all_gather_json(mine)  # JSON, never pickles, from the peers
+    return [Span(**s) for part, _ in parts for s in part], {int(r): float(m) for _, mem in parts for r, m in mem}
 
 
 def compare(step: Any, spans: Sequence[Span], *, memory: Mapping[int, float] | None = None) -> str:

@@ -141,11 +141,9 @@ def _shared_tempdir(world: engine.World) -> str:
     """One temp dir for all ranks (rank 0 makes it and tells the others)."""
     name = tempfile.mkdtemp(prefix="fnpipe-resume-") if world.rank == 0 else None
     if world.size > 1:
-        import torch.distributed as dist
+        from engine.execution.transport import broadcast_json
 
-        box = [name]
-        dist.broadcast_object_list(box, src=0)
-        name = box[0]
+        name = broadcast_json(name)
     assert name is not None  # rank 0 made it
     return name
 

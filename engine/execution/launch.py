@@ -12,6 +12,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ..errors import PlanError
+
 log = logging.getLogger("engine.launch")
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
@@ -39,21 +41,73 @@ def _init_from_mpi(timeout: datetime.timedelta) -> tuple[int, int, int]:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local, one_host = node.Get_rank(), node.Get_size() == size
     if size == 1:
         return 0, 1, 0
+    if one_host:
+        _loopback_only()
     store = None
     if rank == 0:  # rank 0 binds port 0 (the OS picks a free one) and tells the others through MPI
-        host = socket.gethostbyname(socket.gethostname()) if os.environ.get("FNPIPE_MULTIHOST") else "127.0.0.1"
-        store = dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
-        addr = (host, store.port)
+        host = "127.0.0.1" if one_host and not os.environ.get("FNPIPE_MULTIHOST") else _host_address()
+        store, port = _master_store(host, size, timeout)
+        addr = f"{host} {port}"
     else:
-        addr = None
-    host, port = comm.bcast(addr, root=0)
+        addr = ""
+    host, port = _bcast_text(comm, addr).split()
     if store is None:
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
     _init_pg(store=store, rank=rank, size=size, local=local, timeout=timeout)
+    _abort_on_uncaught(comm, rank)
     return rank, size, local
+
+
+def _host_address() -> str:
+    """This host's address for the other hosts: FNPIPE_HOST if set, else what its name resolves to."""
+    return os.environ.get("FNPIPE_HOST") or socket.gethostbyname(socket.gethostname())
+
+
+def _master_store(host: str, size: int, timeout: datetime.timedelta) -> tuple[dist.TCPStore, int]:
+    """The rendezvous store, listening on `host` alone (TCPStore binds every interface when it makes its
+    own socket, so it is handed one bound here)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(size * 4)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False,
+                          master_listen_fd=sock.detach(), use_libuv=True)
+    return store, port
+
+
+def _loopback_only() -> None:
+    """All ranks on one host: gloo's and NCCL's own sockets listen on loopback, unless the user chose."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
+def _bcast_text(comm, text: str, size: int = 512) -> str:  # type: ignore[no-untyped-def]
+    """Rank 0's short ASCII text on every rank, as raw bytes (mpi4py's lowercase bcast would unpickle)."""
+    from mpi4py import MPI
+
+    buf = bytearray(text.encode("ascii").ljust(size, b"\0")[:size])
+    comm.Bcast([buf, MPI.BYTE], root=0)
+    return bytes(buf).rstrip(b"\0").decode("ascii")
+
+
+def _abort_on_uncaught(comm, rank: int) -> None:  # type: ignore[no-untyped-def]
+    """An exception that ends this rank ends the job: after the traceback, MPI_Abort takes every rank down,
+    so no survivor waits in MPI_Finalize for a peer that hangs."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):  # type: ignore[no-untyped-def]
+        previous(kind, value, tb)
+        sys.stderr.write(f"fnpipe: rank {rank} failed ({kind.__name__}); aborting the job so that no rank "
+                         "waits forever\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    sys.excepthook = hook
 
 
 def _init_pg(*, store, rank: int, size: int, local: int, timeout: datetime.timedelta) -> None:
@@ -79,9 +133,17 @@ def _shutdown() -> None:
             log.debug("destroy_process_group at exit: %s", exc)
 
 
+def check_timeout(timeout: float) -> float:
+    """Seconds any wait may take: a positive, finite number (0 would fail some ranks and hang others)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise PlanError(f"timeout must be a positive, finite number of seconds, got {timeout!r}; e.g. "
+                        "parallelize(..., timeout=60)")
+    return float(timeout)
+
+
 def init(timeout: float = 60.0) -> World:
     """Join the job: an existing process group, torchrun's env, mpirun's, or run alone."""
-    td = datetime.timedelta(seconds=timeout)
+    td = datetime.timedelta(seconds=check_timeout(timeout))
     if dist.is_available() and dist.is_initialized():
         rank, size = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -89,6 +151,8 @@ def init(timeout: float = 60.0) -> World:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank))
         if size > 1:  # env:// joins torchrun's own store (TORCHELASTIC_USE_AGENT_STORE) correctly
+            if int(os.environ.get("LOCAL_WORLD_SIZE", -1)) == size:
+                _loopback_only()
             _init_pg(store=None, rank=rank, size=size, local=local, timeout=td)
     elif any(k in os.environ for k in MPI_ENV):
         rank, size, local = _init_from_mpi(td)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+
+import attrs
 from typing import Any, Sequence
 
 import torch
@@ -55,19 +57,34 @@ class Step:
         self.local_params = sorted({pid for s in self.local_stages for pid in self.infos[s].stage.param_ids})
         self.executor = Executor(self.program, self.infos, transport, microbatches=self.plan.microbatches,
                                  dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
+        self.closed = False
 
     @property
     def program(self) -> Program:
         """This rank's instruction list."""
         return self.programs[self.world.rank]
 
+    def close(self) -> None:
+        """Release what this step holds of the process: its process groups (channels, sums) with their
+        sockets and threads, and its compiled programs. The step cannot run afterwards. The world's own
+        process group stays for the next `parallelize`; `with engine.parallelize(...) as step:` closes."""
+        self.transport.close()
+        self.executor.parts.clear()
+        self.closed = True
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def verify(self) -> tuple[str, ...]:
         """All ranks must hold the same plan, graph and lowered table, and their programs must fit together
         (every send met by its receive, every sum joined alike); refuse to run otherwise, on every rank.
         Returns every rank's program fingerprint (each rank emitted only its own)."""
-        mine = (common_fingerprint(self.planned), fingerprint(self.program.to_json()),
-                interface(self.program, self.world.size))
-        prints = self.transport.all_gather_object(mine)
+        mine = [common_fingerprint(self.planned), fingerprint(self.program.to_json()),
+                interface(self.program, self.world.size)]
+        prints = self.transport.all_gather_json(mine)
         bad = [r for r, (common, _, _) in enumerate(prints) if common != prints[0][0]]
         odd = [] if bad else disagreements([face for _, _, face in prints])
         if bad or odd:
@@ -89,7 +106,7 @@ class Step:
 
     def all_spans(self, spans: list[Span]) -> list[Span]:
         """Every rank's spans (a collective: call it on all ranks)."""
-        return [s for part in self.transport.all_gather_object(spans) for s in part]
+        return [Span(**s) for part in self.transport.all_gather_json([attrs.asdict(s) for s in spans]) for s in part]
 
     def memory(self) -> tuple[Footprint, ...]:
         """Every world rank's device bytes for one step (params, grads, buffers, temporaries), replayed
@@ -107,6 +124,9 @@ class Step:
         return pytree.tree_unflatten(out, tree)
 
     def __call__(self, params: Any, *batch: Any) -> tuple[torch.Tensor, Any]:
+        if self.closed:
+            raise PlanError("this step was closed (step.close() or the end of its `with` block); call "
+                            "engine.parallelize again for a new one")
         leaves, tree = pytree.tree_flatten(params, is_leaf=lambda x: x is None)
         if len(leaves) != self.graph.num_params:
             raise PlanError(f"params has {len(leaves)} leaves, the traced function {self.graph.num_params}; "

@@ -7,6 +7,8 @@ group of world ranks. Every wait is bounded, so a dead or hung peer becomes an e
 from __future__ import annotations
 
 import datetime
+import logging
+import json
 import threading
 from typing import Any, Protocol, Sequence
 
@@ -14,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError
+
+log = logging.getLogger("engine.launch")
 
 
 class Transport(Protocol):
@@ -23,7 +27,8 @@ class Transport(Protocol):
     def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]: ...
     def wait(self, handle: Any, what: str) -> None: ...
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_gather_json(self, obj: Any) -> list[Any]: ...
+    def close(self) -> None: ...
 
 
 class DistTransport:
@@ -51,7 +56,8 @@ class DistTransport:
         self.channels: dict[tuple[int, int], Any] = {}
         for a, b in sorted(set(channels)):
             self.channels[(a, b)] = dist.new_group(sorted((a, b)), timeout=td)
-        self._connect(device or torch.device("cpu"))
+        self.device = device if device is not None and self.nccl else torch.device("cpu")
+        self._connect(self.device)
 
     def _connect(self, device: torch.device) -> None:
         """One small message down every channel this rank is on, in the same order on all ranks."""
@@ -101,14 +107,65 @@ class DistTransport:
             raise self._failure(where, exc, peers) from exc
         self.wait(_DistWork(work, where, peers), "summing")
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
+    def close(self) -> None:
+        """Destroy the groups this transport made (its channels' and sums'); the world's stays."""
+        for group in [*self.channels.values(), *self.groups.values()]:
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError) as exc:  # a peer may be gone; the group dies with the process then
+                log.debug("destroying a group: %s", exc)
+        self.channels, self.groups = {}, {}
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (JSON values only: what comes from a peer is parsed, never unpickled)."""
         try:
-            dist.all_gather_object(out, obj, group=self.groups[tuple(range(self.world_size))])
+            return gather_json(obj, group=self.groups[tuple(range(self.world_size))], device=self.device)
         except RuntimeError as exc:
             peers = tuple(r for r in range(self.world_size) if r != self.rank)
             raise self._failure("all-gather over all ranks", exc, peers) from exc
-        return out
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    data = json.dumps(obj, sort_keys=True, allow_nan=True).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _home(group: Any) -> torch.device:
+    """Where a collective's tensors must live: the current GPU under NCCL, the CPU under gloo."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _decode(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.cpu().tolist()).decode())
+
+
+def gather_json(obj: Any, *, group: Any = None, device: torch.device | None = None) -> list[Any]:
+    """All-gather of a JSON value as bytes in tensors (sizes first, then the padded bytes): objects from
+    peers are parsed as JSON, never unpickled, whoever sends them."""
+    device = device or _home(group)
+    mine = _encode(obj, device)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(n.item()) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return [_decode(p[:int(n.item())]) for p, n in zip(parts, sizes)]
+
+
+def broadcast_json(obj: Any, *, src: int = 0, device: torch.device | None = None) -> Any:
+    """Rank `src`'s JSON value on every rank (the others pass anything), sent as bytes in tensors."""
+    device = device or _home(None)
+    mine = _encode(obj, device) if dist.get_rank() == src else torch.empty(0, dtype=torch.uint8, device=device)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    buf = mine if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src)
+    return _decode(buf)
 
 
 class _DistWork:
@@ -223,7 +280,11 @@ class LocalTransport:
         total = sum(slot[r].clone() for r in group)  # rank order: every member gets identical bits
         t.copy_(total)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def close(self) -> None:
+        pass  # nothing of the process's is held: the hub is plain memory
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        obj = json.loads(json.dumps(obj))  # what a real job's peers would see
         box = [None] * self.world_size
         group = tuple(range(self.world_size))
         n = self.seq.get(("obj",), 0)

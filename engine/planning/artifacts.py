@@ -129,13 +129,34 @@ def lowered_table(plan: Plan, build: Callable[..., schedules.Table] | None = Non
     a deadlock or a missing action is refused here, on every rank alike, before any program is emitted.
     `trust_lowered` skips the check for a table that came lowered (the harness runs such a table as
     written, to show what the runtime does with it)."""
-    build = build or schedules.get(plan.schedule)
-    table = build(plan.num_stages, plan.microbatches, **dict(plan.schedule_options))
+    table = build_table(build or schedules.get(plan.schedule), plan.schedule, plan.num_stages, plan.microbatches,
+                        dict(plan.schedule_options))
     if table.is_lowered and trust_lowered:
         return table
     if not table.is_lowered:
         table = schedules.lower(table)
     schedules.validate(table)
+    return table
+
+
+class IncompleteTableError(schedules.ScheduleError):
+    """A schedule's builder made a table for other stage or microbatch counts than it was asked for."""
+
+
+def build_table(build: Callable[..., schedules.Table], name: str, num_stages: int, microbatches: int,
+                options: dict[str, Any]) -> schedules.Table:
+    """`build(num_stages, microbatches, **options)`, refused unless the table is for exactly that many stages
+    and microbatches (`schedules.validate` then checks that each appears once, in dependency order): a
+    table that leaves out a microbatch would train on part of the batch and return wrong grads."""
+    table = build(num_stages, microbatches, **options)
+    if not isinstance(table, schedules.Table):
+        raise IncompleteTableError(f"schedule '{name}' returned {type(table).__name__}, not a schedules.Table; "
+                                      "a schedule is (num_stages, num_microbatches, **options) -> Table")
+    if (table.num_stages, table.num_microbatches) != (num_stages, microbatches):
+        raise IncompleteTableError(
+            f"schedule '{name}' was asked for {num_stages} stages x {microbatches} microbatches and built a table "
+            f"of {table.num_stages} stages x {table.num_microbatches} microbatches; every stage must run F and "
+            f"its backward for every microbatch (0..{microbatches - 1}) exactly once: fix the schedule's builder")
     return table
 
 

@@ -17,7 +17,7 @@ import schedules
 
 from ..errors import PlanError, SplitError
 from ..names import abbreviate
-from .artifacts import Workshop
+from .artifacts import Workshop, build_table
 from .blocks import Blocks, coarsen
 from .layout import Layout
 from .memory import MemoryModel, peak_live, rank_peaks
@@ -82,7 +82,8 @@ class Candidates:
                      differentiate=self.differentiate(size))
 
     def table(self, layout: Layout) -> schedules.Table:
-        return self.build(layout.num_stages, layout.microbatches, **schedule_options(self.schedule, layout))
+        return build_table(self.build, self.schedule, layout.num_stages, layout.microbatches,
+                           schedule_options(self.schedule, layout))
 
     def block_costs(self, blocks: Blocks, time_scale: Sequence[float], saved_scale: Sequence[float]) -> BlockCosts:
         return BlockCosts(

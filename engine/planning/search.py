@@ -22,7 +22,7 @@ import schedules
 
 from ..errors import PlanError, SplitError
 from ..progress import track
-from .artifacts import Planned, Workshop, lowered_table
+from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
 from .calibration import Calibration
 from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size_of, schedule_options
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
@@ -68,6 +68,8 @@ def _rank_layouts(planner: Candidates, candidates: Sequence[Layout]) -> tuple[li
     for layout in track(candidates, "planning: splitting layouts"):
         try:
             found.append(planner.estimated(layout))
+        except IncompleteTableError as err:  # the schedule is broken, not this layout
+            raise PlanError(str(err)) from err
         except (SplitError, schedules.ScheduleError) as err:
             reasons.append(f"{_describe(layout)}: {err}")
             log.debug("%s does not fit: %s", _describe(layout), err)

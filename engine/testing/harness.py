@@ -291,10 +291,9 @@ class _Check:
 
 def _gather_failure(message: str | None) -> str | None:
     """Every rank learns every rank's verdict, so all raise together (hypothesis then shrinks in step)."""
-    import torch.distributed as dist
+    from ..execution.transport import gather_json
 
-    verdicts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, message)
+    verdicts = gather_json(message)
     failed = [(r, m) for r, m in enumerate(verdicts) if m]
     if not failed:
         return None

@@ -275,7 +275,7 @@ def _rank(step: Any) -> tuple[int, int]:
 
 
 def _gather(step: Any, obj: Any) -> list[Any]:
-    return [obj] if step is None or step.world.size == 1 else step.transport.all_gather_object(obj)
+    return [obj] if step is None or step.world.size == 1 else step.transport.all_gather_json(obj)
 
 
 def _atomic_write(target: Path, write: Callable[[IO[bytes]], Any]) -> None:

@@ -20,7 +20,7 @@ import time
 import torch.distributed as dist
 
 import engine
-from engine import step as step_mod
+from engine.execution import step as step_mod
 from tests.mpi import models
 
 STALL_S = 3600.0
