@@ -54,7 +54,12 @@ class Step:
         self.position = world.rank % self.plan.pipeline_depth
         self.replica = world.rank // self.plan.pipeline_depth
         self.local_stages = self.table.stages_of(self.position)
-        self.local_params = sorted({pid for s in self.local_stages for pid in self.infos[s].stage.param_ids})
+        used = {pid for info in self.infos for pid in info.stage.param_ids}
+        # a float leaf the loss never reads has grad zeros (as torch.func.grad says); pipeline position 0 holds it
+        self.unused = [pid for pid in range(self.graph.num_params) if pid not in used
+                       and self.graph.inputs[pid].aval.dtype.is_floating_point]
+        mine = {pid for s in self.local_stages for pid in self.infos[s].stage.param_ids}
+        self.local_params = sorted(mine | (set(self.unused) if self.position == 0 else set()))
         self.executor = Executor(self.program, self.infos, transport, microbatches=self.plan.microbatches,
                                  dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
         self.closed = False
@@ -145,6 +150,9 @@ class Step:
         offset = self.graph.num_params
         mbs = [{offset + j: x.to(self.world.device) for j, x in enumerate(c)} for c in chunks]
         loss, grads = self.executor.run(local, mbs)
+        for pid in self.unused:
+            if pid in local and pid not in grads:
+                grads[pid] = torch.zeros_like(local[pid])
         out = [grads.get(pid) if pid in local else None for pid in range(len(leaves))]
         return loss, pytree.tree_unflatten(out, tree)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
+import torch
 
 import ir
 
@@ -35,7 +36,7 @@ from .plan import Plan, fingerprint
 __all__ = ["CacheKey", "CachedPlan", "PlanCacheError", "cache_key", "entry_path", "fnpipe_version", "load",
            "load_or_plan", "record_programs", "save"]
 
-FORMAT = "fnpipe-plan/2"  # 2: programs are recorded as per-rank fingerprints
+FORMAT = "fnpipe-plan/3"  # 2: programs recorded as per-rank fingerprints; 3: torch version in the key
 log = logging.getLogger("engine.plancache")
 
 
@@ -52,6 +53,7 @@ class CacheKey:
     world_size: int
     schedule: str
     options: dict[str, Any] = attrs.field(converter=lambda d: dict(sorted(d.items())))
+    torch_version: str = attrs.field(factory=lambda: torch.__version__)  # op costs and graphs change with torch
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -62,7 +64,7 @@ class CacheKey:
     def differences(self, other: dict[str, Any]) -> list[str]:
         """`field: cached X, this run Y` for every field (and option) that differs from `other`."""
         mine, out = self.to_dict(), []
-        for field in ("fnpipe_version", "graph_hash", "world_size", "schedule"):
+        for field in ("fnpipe_version", "torch_version", "graph_hash", "world_size", "schedule"):
             if other.get(field) != mine[field]:
                 note = " (the model, its leaf names or the batch shapes changed)" if field == "graph_hash" else ""
                 out.append(f"{field}: cached {other.get(field)!r}, this run {mine[field]!r}{note}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import engine.planning.search
 from engine import plancache
@@ -74,3 +75,10 @@ def test_unreadable_file_is_refused(tmp_path):
     (tmp_path / "deploy.json").write_text("{not json")
     with pytest.raises(PlanCacheError, match="cannot read plan cache .*delete it"):
         plancache.load_or_plan(tmp_path / "deploy.json", *inputs(), **ARGS)
+
+
+def test_a_plan_made_with_another_torch_is_not_reused(tmp_path, monkeypatch):
+    first = plancache.load_or_plan(tmp_path / "deploy.json", *inputs(), **ARGS)
+    monkeypatch.setattr(torch, "__version__", "9.9.0")
+    with pytest.raises(PlanCacheError, match=r"torch_version: cached '[^']+', this run '9.9.0'"):
+        plancache.load_or_plan(first.path, *inputs(), **ARGS)
