@@ -20,3 +20,7 @@ class RuntimeMismatchError(EngineError):
 
 class CommTimeoutError(EngineError):
     """A collective or point-to-point wait exceeded its timeout (a peer died or hung)."""
+
+
+class CheckpointError(EngineError):
+    """A checkpoint is incomplete, damaged or hostile, or does not match the tree or plan it is loaded into."""

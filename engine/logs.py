@@ -9,6 +9,7 @@ Loggers (all children of `engine`, so the standard `logging` API configures them
     engine.calibrate   op timing on the device (DEBUG: ops that could not be timed)
     engine.plancache   plan cache hits and misses, and why an entry was not used (INFO)
     engine.report      predicted-vs-measured tables logged by engine.report.log_compare (INFO)
+    engine.checkpoint  checkpoints: old manifests loaded without shard digests, directories `latest` skips (WARNING)
 
 Environment variables (read once, when `engine` is imported; `configure()` reads them again):
 
@@ -19,7 +20,8 @@ Environment variables (read once, when `engine` is imported; `configure()` reads
                                    is the part after `engine.` in capitals (ENGINE_LOG_LEVEL_SPLIT,
                                    ENGINE_LOG_LEVEL_RUNTIME, ENGINE_LOG_LEVEL_PLAN, ENGINE_LOG_LEVEL_LAUNCH,
                                    ENGINE_LOG_LEVEL_CALIBRATE, ENGINE_LOG_LEVEL_PLANCACHE,
-                                   ENGINE_LOG_LEVEL_REPORT), as RaNNC's RANNC_* variables do
+                                   ENGINE_LOG_LEVEL_REPORT, ENGINE_LOG_LEVEL_CHECKPOINT), as RaNNC's
+                                   RANNC_* variables do
     ENGINE_LOG_FORMAT=...          a `logging.Formatter` format for the engine's stderr handler; default
                                    `[%(asctime)s rank %(rank)s %(name)s %(levelname)s] %(message)s`
     ENGINE_PROGRESS=0|1            progress bars for planning and calibration past 2 s (engine.progress):
@@ -40,7 +42,7 @@ from typing import Mapping
 
 ROOT = "engine"
 PREFIX = "ENGINE_LOG_LEVEL"
-MODULES = ("plan", "split", "runtime", "launch", "calibrate", "plancache", "report")
+MODULES = ("plan", "split", "runtime", "launch", "calibrate", "plancache", "report", "checkpoint")
 DEFAULT_FORMAT = "[%(asctime)s rank %(rank)s %(name)s %(levelname)s] %(message)s"
 RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 

@@ -1,7 +1,8 @@
 """Training: what a user needs around the step: modules as pure functions, optimizers, checkpoints, precision.
 
 Owns: `functionalize` of an nn.Module (`module`), the pure optimizers over local leaves (`optim`),
-sharded checkpoints (`checkpoint`), and mixed precision as a wrapper of the loss function (`precision`).
+sharded checkpoints that verify themselves (`checkpoint`, with `checkpoint_manifest` and
+`checkpoint_files`), and mixed precision as a wrapper of the loss function (`precision`).
 
 May import: `ir` and engine's shared leaves (`engine.errors`, `engine.names`, `engine.logs`,
 `engine.version`).

@@ -6,86 +6,124 @@
 
 Layout of a checkpoint directory: `rank{r}.pt` holds the tensors rank r owns (a leaf held by several
 ranks, across dp replicas or tied stages, is written once, by the lowest rank holding it), as
-`{"params": {name: tensor}, "opt_state": {name: tensor}}`; `manifest.json` holds the trees' structure,
-every leaf's name, shape, dtype, holders and file, plain-value leaves (the optimizer's step count), the
-plan, iteration and `meta`. Files are written to a temp file in the same directory, fsynced and
-`os.replace`d; the manifest goes last and is removed first when a directory is overwritten, so a
-directory without one is an interrupted save and is never loaded. Use one directory per checkpoint:
-the previous one stays intact whatever happens to the next.
+`{"params": {name: tensor}, "opt_state": {name: tensor}}`; `manifest.json` (checkpoint_manifest.py)
+holds every shard's path, SHA-256 and size, the trees' structure, every leaf's name, shape, dtype,
+holders and file, plain-value leaves (the optimizer's step count), the plan, iteration and `meta`.
+Files are written to a temp file in the same directory, fsynced, hashed and `os.replace`d; the manifest
+goes last and is removed first when a directory is overwritten, so a directory without one is an
+interrupted save and is never loaded. A rank whose write fails (a full disk: ENOSPC) makes save raise
+CheckpointError on every rank, naming the rank and the error, and no manifest is written. Use one
+directory per checkpoint: the previous one stays intact whatever happens to the next.
 
 Loading goes by leaf name, so the new plan may differ: each rank reads the leaves it now holds from
-whichever files have them (memory-mapped: only those bytes are read), with `torch.load(weights_only=True)`.
+whichever files have them, with `torch.load(weights_only=True)`. Before a shard is read its size and
+SHA-256 are checked against the manifest (so each shard a rank needs is read once in full to hash it;
+the load itself is memory-mapped); a flipped bit, a truncated file or swapped shards raise
+CheckpointError naming the file, what was expected and found, and the fix. The manifest is untrusted:
+unknown format versions or fields are refused, and so is any shard path that is absolute, contains `..`
+or resolves (symlinks followed) outside the directory. Every rank calls load, and the ranks' verdicts
+are all-gathered as JSON, so when any rank's check fails every rank raises, and none keeps half a load.
+Format-1 manifests (before digests) still load, with a warning on the `engine.checkpoint` logger and
+their shards unverified; save them again to have them checked.
 An optimizer-state leaf whose key path ends with a param's name (`exp_avg.blocks.3.w_q`, as
 engine.optim writes it) goes where that param goes; other state tensors go to every rank.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
-import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ir.trace import key_name
 
-from ..errors import EngineError
+from ..errors import CheckpointError
+from .checkpoint_files import atomic_write, confine, fsync_dir, verify
+from .checkpoint_manifest import FORMAT, MANIFEST, build, read_manifest  # noqa: F401 -- FORMAT stays importable here
 
 __all__ = ["CheckpointError", "export", "is_complete", "latest", "load", "read_manifest", "save"]
 
-FORMAT = "fnpipe-checkpoint/1"
-MANIFEST = "manifest.json"
+log = logging.getLogger("engine.checkpoint")
 _is_none = lambda x: x is None  # noqa: E731
-
-
-class CheckpointError(EngineError):
-    """A checkpoint is incomplete, or does not match the tree or plan it is loaded into."""
+SAVE_FAILED = ("it has no manifest and will not be loaded; other checkpoint directories are untouched; fix the "
+               "cause (a full disk: free space) and save again")
 
 
 # -- writing ----------------------------------------------------------------------------------------
 def save(path: str | os.PathLike, step: Any, params: Any, opt_state: Any = None, *, iteration: int | None = None,
          meta: dict | None = None) -> Path:
-    """Write this rank's leaves of `params` (and `opt_state`) into directory `path`; every rank calls it.
+    """Write this rank's leaves of `params` (and `opt_state`) into directory `path`; every rank calls it,
+    and a failure on any rank (a full disk) raises CheckpointError on all of them, with no manifest written.
 
     `step` is the engine Step (None when running alone); `meta` is JSON kept in the manifest."""
     path, (rank, size) = Path(path), _rank(step)
-    path.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        with contextlib.suppress(FileNotFoundError):
-            (path / MANIFEST).unlink()  # from here on the directory is an incomplete checkpoint
-        _fsync_dir(path)
     trees = {"params": _named(params), "opt_state": _named(opt_state) if opt_state is not None else []}
-    held = _gather(step, {k: {n: _describe(x) for n, x in leaves if isinstance(x, torch.Tensor)}
-                          for k, leaves in trees.items()})  # also the barrier: the manifest is gone
+
+    def prepare() -> tuple[None, dict]:
+        path.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                (path / MANIFEST).unlink()  # from here on the directory is an incomplete checkpoint
+            fsync_dir(path)
+        return None, {k: {n: _describe(x) for n, x in leaves if isinstance(x, torch.Tensor)}
+                      for k, leaves in trees.items()}
+
+    # also the barrier: no rank writes a shard before the old manifest is gone
+    _, held = _settle(step, f"preparing {path}", "nothing was written; fix the cause and save again", prepare)
     owner = {k: _owners(h[k] for h in held) for k in trees}
 
-    def write_mine() -> None:
+    def write_mine() -> tuple[None, dict]:
         _check_values(trees["opt_state"])
         mine = {k: {n: x.detach().cpu() for n, x in leaves if owner[k].get(n) == rank} for k, leaves in trees.items()}
-        _atomic_write(path / f"rank{rank}.pt", lambda f: torch.save(mine, f))
+        name = f"rank{rank}.pt"
+        return None, {"path": name, **atomic_write(path / name, lambda f: torch.save(mine, f))}
 
-    def write_manifest() -> None:
+    _, files = _settle(step, f"saving the tensors of {path}", SAVE_FAILED, write_mine)
+
+    def write_manifest() -> tuple[None, None]:
         if rank == 0:
-            manifest = _manifest(step, size, trees, held, owner, params, opt_state, iteration, meta)
-            _atomic_write(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+            manifest = build(step, size, trees, held, owner, params, opt_state, iteration, meta, files)
+            atomic_write(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        return None, None
 
-    for what, work in (("tensors", write_mine), ("manifest", write_manifest)):
-        errors = [e for e in _gather(step, _attempt(rank, work)) if e]  # every rank learns of a failure
-        if errors:
-            raise CheckpointError(f"saving the {what} of {path} failed ({'; '.join(errors)}); it has no manifest "
-                                  "and will not be loaded; other checkpoint directories are untouched")
+    _settle(step, f"saving the manifest of {path}", SAVE_FAILED, write_manifest)
     return path
 
 
-def _attempt(rank: int, work: Callable[[], None]) -> str | None:
+def _settle(step: Any, what: str, after: str, work: Callable[[], tuple[Any, Any]]) -> tuple[Any, list[Any]]:
+    """Run `work` here, then all-gather every rank's verdict (and the JSON `shared` part of its result), so
+    a failure on any rank raises CheckpointError on all of them and none waits for a peer forever.
+
+    `work()` returns `(local, shared)`; `_settle` returns this rank's `local` and every rank's `shared`."""
+    local = shared = cause = error = None
     try:
-        work()
-    except Exception as exc:  # noqa: BLE001 -- reported to every rank, so none waits for this one forever
-        return f"rank {rank}: {type(exc).__name__}: {exc}"
-    return None
+        local, shared = work()
+    except Exception as exc:  # noqa: BLE001 -- reported to every rank
+        cause, error = exc, _explain(exc)
+    verdicts = _gather(step, {"error": error, "shared": shared})
+    failed: dict[str, list[int]] = {}
+    for r, v in enumerate(verdicts):
+        if v["error"]:
+            failed.setdefault(v["error"], []).append(r)
+    if failed:
+        many = len(verdicts) > 1
+        details = "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {e}" if many else e
+                            for e, rs in failed.items())
+        raise CheckpointError(f"{what} failed ({details}){'; ' + after if after else ''}") from cause
+    return local, [v["shared"] for v in verdicts]
+
+
+def _explain(exc: Exception) -> str:
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    code = f" [{errno.errorcode[exc.errno]}]" if isinstance(exc, OSError) and exc.errno in errno.errorcode else ""
+    return f"{type(exc).__name__}: {exc}{code}"
 
 
 def _check_values(leaves: list[tuple[str, Any]]) -> None:
@@ -93,31 +131,6 @@ def _check_values(leaves: list[tuple[str, Any]]) -> None:
         if not (x is None or isinstance(x, (torch.Tensor, bool, int, float, str))):
             raise CheckpointError(f"opt_state leaf '{name}' is a {type(x).__name__}; leaves must be tensors, None "
                                   "or plain numbers/strings")
-
-
-def _manifest(step: Any, size: int, trees: dict, held: list, owner: dict, params: Any, opt_state: Any,
-              iteration: int | None, meta: dict | None) -> dict:
-    from ..version import fnpipe_version
-
-    def entries(kind: str) -> list[dict]:
-        out = []
-        for name, x in trees[kind]:
-            holders = [r for r, h in enumerate(held) if name in h[kind]]
-            if holders:
-                shape, dtype = held[holders[0]][kind][name]
-                out.append({"name": name, "shape": shape, "dtype": dtype, "ranks": holders, "file": owner[kind][name]})
-            else:  # None, or a plain value (checked by _check_values)
-                out.append({"name": name, "value": x})
-        return out
-
-    tree = lambda t: {"treespec": pytree.treespec_dumps(pytree.tree_structure(t, is_leaf=_is_none))}  # noqa: E731
-    return {
-        "format": FORMAT, "fnpipe_version": fnpipe_version(), "iteration": iteration, "meta": meta or {},
-        "world_size": size, "files": [f"rank{r}.pt" for r in range(size)],
-        "plan": json.loads(step.plan.to_json()) if step is not None else None,
-        "params": {**tree(params), "leaves": entries("params")},
-        "opt_state": {**tree(opt_state), "leaves": entries("opt_state")} if opt_state is not None else None,
-    }
 
 
 def _owners(held: Any) -> dict[str, int]:
@@ -135,10 +148,18 @@ def _owners(held: Any) -> dict[str, int]:
 
 # -- reading ----------------------------------------------------------------------------------------
 def load(path: str | os.PathLike, step: Any, params_template: Any) -> tuple[Any, Any]:
-    """`(params, opt_state)` for this rank of `step`'s plan (None: everything, on one process).
+    """`(params, opt_state)` for this rank of `step`'s plan (None: everything, on one process); every
+    rank calls it, and if any rank's checks fail, all of them raise CheckpointError.
 
     `params_template` gives the tree (the full params, `step.shard(params)`, or ir.TensorSpecs); names,
     shapes and dtypes must match the checkpoint's. Leaves this rank does not hold come back None."""
+    def here() -> tuple[tuple[Any, Any], None]:
+        return _load_here(Path(path), step, params_template), None  # nothing to share but the verdict
+
+    return _settle(step, f"loading the checkpoint {path}", "", here)[0]
+
+
+def _load_here(path: Path, step: Any, params_template: Any) -> tuple[Any, Any]:
     man = read_manifest(path)
     names, spec, template = _template(params_template)
     _check_names(names, [e["name"] for e in man["params"]["leaves"]])
@@ -149,25 +170,13 @@ def load(path: str | os.PathLike, step: Any, params_template: Any) -> tuple[Any,
     need = {"params": {n for i, n in enumerate(names) if i in local and "shape" in entries[n]}}
     state_entries = man["opt_state"]["leaves"] if man["opt_state"] else []
     need["opt_state"] = {e["name"] for e in state_entries if "shape" in e and _state_needed(e["name"], names, local)}
-    tensors = _read(Path(path), man, need, step)
+    tensors = _read(path, man, need, step)
     params = pytree.tree_unflatten([tensors["params"].get(n) for n in names], spec)
     if man["opt_state"] is None:
         return params, None
     state_spec = pytree.treespec_loads(man["opt_state"]["treespec"])
     values = [tensors["opt_state"].get(e["name"]) if "shape" in e else e["value"] for e in state_entries]
     return params, pytree.tree_unflatten(values, state_spec)
-
-
-def read_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of a complete checkpoint; CheckpointError if the directory has none."""
-    file = Path(path) / MANIFEST
-    if not file.exists():
-        raise CheckpointError(f"{path} has no {MANIFEST}: it is not a checkpoint or its save was interrupted; "
-                              "load the previous one (engine.checkpoint.latest(root) finds the newest complete)")
-    man = json.loads(file.read_text())
-    if man.get("format") != FORMAT:
-        raise CheckpointError(f"{file} has format {man.get('format')!r}; this fnpipe reads {FORMAT!r}")
-    return man
 
 
 def _template(tree: Any) -> tuple[list[str], pytree.TreeSpec, list[Any]]:
@@ -218,9 +227,16 @@ def _read(path: Path, man: dict, need: dict[str, set[str]], step: Any) -> dict[s
             by_file.setdefault(files[n], []).append((kind, n))
     out: dict[str, dict[str, torch.Tensor]] = {"params": {}, "opt_state": {}}
     for r, wanted in sorted(by_file.items()):
-        data = torch.load(path / man["files"][r], map_location="cpu", weights_only=True, mmap=True)
+        record = man["files"][r]
+        file = confine(path, record["path"], f"files[{r}]")
+        verify(file, record, man["files"])  # before torch.load sees a byte of it
+        data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         for kind, n in wanted:
-            out[kind][n] = data[kind][n].to(device, copy=True)
+            part = data.get(kind) if isinstance(data, dict) else None
+            if not isinstance(part, dict) or not isinstance(part.get(n), torch.Tensor):
+                raise CheckpointError(f"checkpoint shard {file} has no {kind} tensor '{n}', which the manifest puts "
+                                      "there; restore the file from a copy, or load an earlier checkpoint")
+            out[kind][n] = part[n].to(device, copy=True)
     return out
 
 
@@ -242,7 +258,7 @@ def export(path: str | os.PathLike, step: Any, out_file: str | os.PathLike) -> P
         full[kind] = pytree.tree_unflatten(leaves, pytree.treespec_loads(man[kind]["treespec"]))
     out = Path(out_file)
     payload = {**full, "iteration": man["iteration"], "meta": man["meta"]}
-    _atomic_write(out, lambda f: torch.save(payload, f))
+    atomic_write(out, lambda f: torch.save(payload, f))
     return out
 
 
@@ -251,13 +267,17 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def latest(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint under `root` with the highest iteration (then the newest manifest)."""
+    """The complete checkpoint under `root` with the highest iteration (then the newest manifest); one
+    whose manifest cannot be read is skipped with a warning. Shards are checked by load, not here."""
     found = []
     for d in Path(root).iterdir() if Path(root).is_dir() else ():
         if is_complete(d):
-            with contextlib.suppress(CheckpointError, ValueError):
+            try:
                 it = read_manifest(d)["iteration"]
-                found.append((it if it is not None else -1, (d / MANIFEST).stat().st_mtime_ns, d))
+            except CheckpointError as exc:
+                log.warning("engine.checkpoint.latest skips %s: %s", d, exc)
+                continue
+            found.append((it if it is not None else -1, (d / MANIFEST).stat().st_mtime_ns, d))
     return max(found)[2] if found else None
 
 
@@ -276,27 +296,3 @@ def _rank(step: Any) -> tuple[int, int]:
 
 def _gather(step: Any, obj: Any) -> list[Any]:
     return [obj] if step is None or step.world.size == 1 else step.transport.all_gather_json(obj)
-
-
-def _atomic_write(target: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Temp file in the same directory, fsync, os.replace: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
