@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import repeat
 
 import attrs
 
+from schedules.action import RECV_B, RECV_F, F
 from schedules.errors import ScheduleError
-from schedules.index import NO_BOUNDARY, TableIndex
+from schedules.index import TableIndex
 
 __all__ = ["Timing", "execute"]
 
@@ -31,7 +33,9 @@ def execute(ix: TableIndex, duration: Sequence[float], transfer: Sequence[float]
     dependencies (plus the transfer when they are on another rank and the table is not lowered).
     A run of consecutive communication actions is one group posted together: it completes when
     every member's partner has been posted, each pair taking ``transfer`` from the later post.
-    Raises ScheduleError naming the waiting cycle when no rank can move.
+    Raises ScheduleError naming the waiting cycle when no rank can move. ``ix`` must have passed
+    ``check_structure``: dependencies on the same rank then come earlier in the row, so the run
+    waits only for inputs from other ranks, and each action is visited about once.
     """
     run = _Run(ix, duration, transfer)
     queue = deque(range(len(ix.rows)))
@@ -43,13 +47,33 @@ def execute(ix: TableIndex, duration: Sequence[float], transfer: Sequence[float]
     return Timing(run.start, run.end)
 
 
+def _inputs(ix: TableIndex) -> tuple[list[int], list[int]]:
+    """For each action id, the producer it waits for on another rank without a receive (-1 for
+    none: in a lowered table every input arrives through a receive on the action's own rank),
+    and the boundary stage that input crosses."""
+    producer, boundary = [-1] * len(ix.actions), [0] * len(ix.actions)
+    for s in ix.crossings():
+        for producers, consumers, receives in (
+            (ix.ids(s, F), ix.ids(s + 1, F), ix.ids(s + 1, RECV_F)),
+            (ix.backward_ids(s + 1), ix.backward_ids(s), ix.ids(s, RECV_B)),
+        ):
+            if receives.count(-1) != len(receives):
+                kept = [(p, c) for p, c, r in zip(producers, consumers, receives, strict=True)
+                        if r < 0]
+                producers, consumers = [p for p, _ in kept], [c for _, c in kept]
+            deque(map(producer.__setitem__, consumers, producers), maxlen=0)
+            deque(map(boundary.__setitem__, consumers, repeat(s)), maxlen=0)
+    return producer, boundary
+
+
 class _Run:
     def __init__(self, ix: TableIndex, duration: Sequence[float], transfer: Sequence[float]):
         n = len(ix.actions)
         self.ix, self.duration, self.transfer = ix, duration, transfer
-        self.deps = [ix.dependencies(k) if not ix.actions[k].is_comm else [] for k in range(n)]
-        self.partner = [ix.partner(k) if ix.actions[k].is_comm else None for k in range(n)]
-        self.boundary = [a.boundary or 0 for a in ix.actions]
+        self.waits_for, self.crossed = _inputs(ix)
+        self.partner = ix.partners()
+        self.delayed = any(transfer)  # free transfers need no boundary lookups
+        self.stops: dict[int, int] = {}  # first member of a posted group -> the group's end
         self.start = [_UNSET] * n
         self.end = [_UNSET] * n
         self.posted = [_UNSET] * n
@@ -57,78 +81,62 @@ class _Run:
         self.clock = [0.0] * len(ix.rows)
         self.waiters: dict[int, list[int]] = {}
         self.blocked: dict[int, int] = {}
-        self.group_stop = [_group_stops(ix, row) for row in ix.rows]
 
     def advance(self, r: int, queue: deque[int]) -> None:
-        row, comm = self.ix.rows[r], self.partner
-        while self.pos[r] < len(row):
-            k = row[self.pos[r]]
-            done = self._group(r, k, queue) if comm[k] is not None else self._compute(r, k, queue)
-            if not done:
-                return
+        """Run rank ``r`` until it waits or ends (the hot loop: kept in one function)."""
+        row, partner, posted, waiters = self.ix.rows[r], self.partner, self.posted, self.waiters
+        waits_for, start, end, duration = self.waits_for, self.start, self.end, self.duration
+        pos, clock, size = self.pos[r], self.clock[r], len(row)
+        while pos < size:
+            k = row[pos]
+            if partner[k] >= 0:  # a group: post it once, then complete it or wait
+                stop = self.stops.get(k, -1)
+                if stop < 0:
+                    stop = self.stops[k] = self._post(row, pos, clock, queue)
+                done = clock
+                for m in row[pos:stop]:
+                    met = posted[partner[m]]
+                    if met < 0:
+                        break
+                    if met < clock:  # this side posted at ``clock``
+                        met = clock
+                    if self.delayed:
+                        met += self.transfer[self.ix.actions[m].boundary or 0]
+                    end[m] = met
+                    if met > done:
+                        done = met
+                else:
+                    pos, clock = stop, done
+                    continue
+                self._wait(r, partner[m])
+                break
+            t, d = clock, waits_for[k]
+            if d >= 0:
+                if end[d] < 0:
+                    self._wait(r, d)
+                    break
+                t = max(t, end[d] + self.transfer[self.crossed[k]])
+            start[k] = t
+            end[k] = clock = t + duration[k]
+            pos += 1
+            if k in waiters:
+                queue.extend(waiters.pop(k))
+        self.pos[r], self.clock[r] = pos, clock
 
-    def _wait(self, r: int, k: int) -> bool:
+    def _wait(self, r: int, k: int) -> None:
         self.waiters.setdefault(k, []).append(r)
         self.blocked[r] = k
-        return False
 
-    def _wake(self, k: int, queue: deque[int]) -> None:
-        if k in self.waiters:
-            queue.extend(self.waiters.pop(k))
-
-    def _compute(self, r: int, k: int, queue: deque[int]) -> bool:
-        t = self.clock[r]
-        deps = self.deps[k]
-        assert deps is not None, "validation guarantees every dependency exists"
-        for d, boundary in deps:
-            ready = self.end[d]
-            if ready < 0:
-                return self._wait(r, d)
-            if boundary != NO_BOUNDARY:
-                ready += self.transfer[boundary]
-            t = max(t, ready)
-        self.start[k] = t
-        self.end[k] = self.clock[r] = t + self.duration[k]
-        self.pos[r] += 1
-        self._wake(k, queue)
-        return True
-
-    def _group(self, r: int, k: int, queue: deque[int]) -> bool:
-        row, pos = self.ix.rows[r], self.pos[r]
-        members = row[pos:self.group_stop[r][pos]]
-        if self.posted[k] < 0:
-            for m in members:
-                self.posted[m] = self.start[m] = self.clock[r]
-                self._wake(m, queue)
-        for m in members:
-            p = self.partner[m]
-            assert p is not None, "validation guarantees every communication has a partner"
-            if self.posted[p] < 0:
-                return self._wait(r, p)
-        done = self.clock[r]
-        for m in members:
-            p = self.partner[m]
-            assert p is not None
-            self.end[m] = max(self.posted[m], self.posted[p]) + self.transfer[self.boundary[m]]
-            done = max(done, self.end[m])
-        self.clock[r] = done
-        self.pos[r] += len(members)
-        for m in members:
-            self._wake(m, queue)
-        return True
-
-
-def _group_stops(ix: TableIndex, row: list[int]) -> list[int]:
-    """For each position, the end of the run of communication actions starting there."""
-    stops = [0] * len(row)
-    following = len(row)
-    for pos in range(len(row) - 1, -1, -1):
-        if ix.actions[row[pos]].is_comm:
-            stops[pos] = following
-        else:
-            stops[pos] = pos + 1
-            following = pos
-    return stops
+    def _post(self, row: list[int], pos: int, clock: float, queue: deque[int]) -> int:
+        """Post every member of the group starting at ``pos``; returns where the group ends."""
+        stop, size, partner, waiters = pos, len(row), self.partner, self.waiters
+        while stop < size and partner[row[stop]] >= 0:
+            m = row[stop]
+            self.posted[m] = self.start[m] = clock
+            if m in waiters:
+                queue.extend(waiters.pop(m))
+            stop += 1
+        return stop
 
 
 def _deadlock_message(ix: TableIndex, run: _Run, stuck: list[int]) -> str:

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import heapq
-import math
-from bisect import bisect_right
-
 import attrs
 
-from schedules.action import BW, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F
+from schedules._placer import Links, Placer
+from schedules.action import COMPUTE_KINDS, RECV_B, RECV_F, SEND_B, SEND_F, Action, F
 from schedules.costs import Costs
 from schedules.errors import ScheduleError
-from schedules.execute import execute
 from schedules.index import TableIndex
 from schedules.table import Table
 from schedules.validate import check_structure
 
 __all__ = ["lower"]
-
-
-@attrs.frozen
-class _Message:
-    """``send`` goes on the producer's rank after it, ``recv`` on the consumer's rank before it."""
-
-    send: Action
-    recv: Action
-    producer: Action
-    consumer: Action
-
 
 def lower(table: Table, *, costs: Costs | None = None) -> Table:
     """Insert SEND/RECV actions for every dependency between stages on different ranks.
@@ -39,115 +24,76 @@ def lower(table: Table, *, costs: Costs | None = None) -> Table:
     latest shared time, so the send follows the producing compute and the receive comes as late
     as that allows. Messages that meet in one gap form one group: that is how 1F1B's steady state
     pairs SEND_F with RECV_B. When no gaps overlap, the receiver waits in the gap before the
-    action it would be running, and the rest is placed on the run updated for that wait.
+    action it would be running, and the run is updated for that wait (only the computes it
+    delays are timed again, so lowering takes time about proportional to the table).
     Each rank posts its messages in the order they meet, so the lowered table cannot deadlock
     whatever the real costs, and each pair of ranks receives in the order of the sends.
     """
     if table.is_lowered:
         raise ScheduleError("the table already holds communication actions; lower the table "
                             "the schedule function returned, once")
-    check_structure(table)
+    index = check_structure(table)
     costs = Costs() if costs is None else costs
-    _check_costs(table, costs)
-    placer = _Placer(table, costs)
-    queue = [(placer.end[m.producer], n, m) for n, m in enumerate(_messages(table))]
-    heapq.heapify(queue)
-    while queue:
-        ready, n, message = heapq.heappop(queue)
-        if ready != placer.end[message.producer]:  # the run moved since: requeue
-            heapq.heappush(queue, (placer.end[message.producer], n, message))
-            continue
-        if not placer.place(message):
-            placer.rerun()
-    return placer.finish()
+    placer = Placer(index, _durations(index, costs), _links(index))
+    placer.place_all()
+    return _assemble(table, placer, index.crossings())
 
 
-def _check_costs(table: Table, costs: Costs) -> None:
-    costs.check(table.num_stages, table.num_ranks)
-    for _, _, action in table.positions():
-        if not costs.compute_time(action) > 0:
+def _durations(index: TableIndex, costs: Costs) -> list[float]:
+    costs.check(index.table.num_stages, index.table.num_ranks)
+    times = {kind: [costs.compute_time(Action(s, kind, 0)) for s in range(index.table.num_stages)]
+             for kind in COMPUTE_KINDS}
+    duration = [times[a.kind][a.stage] for a in index.actions]
+    for k, time in enumerate(duration):
+        if not time > 0:
             raise ScheduleError(
                 f"lower orders messages by a reference run and needs positive compute times; "
-                f"{action} costs {costs.compute_time(action)}: pass costs with times > 0 or none"
+                f"{index.actions[k]} costs {time}: pass costs with times > 0 or none"
             )
+    return duration
 
 
-def _messages(table: Table) -> list[_Message]:
-    """Every message between ranks: forward activations and the grads coming back."""
-    found = []
-    backward = {(a.stage, a.microbatch): a for _, _, a in table.positions()
-                if a.kind in (B, BW)}
-    for stage in range(table.num_stages - 1):
-        if table.stage_to_rank[stage] == table.stage_to_rank[stage + 1]:
-            continue
-        for mb in range(table.num_microbatches):
-            found.append(_Message(Action(stage, SEND_F, mb), Action(stage + 1, RECV_F, mb),
-                                  Action(stage, F, mb), Action(stage + 1, F, mb)))
-            found.append(_Message(Action(stage + 1, SEND_B, mb), Action(stage, RECV_B, mb),
-                                  backward[(stage + 1, mb)], backward[(stage, mb)]))
-    return found
+def _links(index: TableIndex) -> Links:
+    """Every message between ranks: for each stage boundary between ranks (``crossings``) and
+    each microbatch, message ``n`` = 2 (boundary x microbatches + microbatch) carries the
+    activation forward and message ``n + 1`` its grad back."""
+    producers: list[int] = []
+    consumers: list[int] = []
+    for stage in index.crossings():
+        count = len(producers)
+        producers += [0, 0] * index.table.num_microbatches
+        consumers += [0, 0] * index.table.num_microbatches
+        producers[count::2], consumers[count::2] = index.ids(stage, F), index.ids(stage + 1, F)
+        producers[count + 1::2] = index.backward_ids(stage + 1)
+        consumers[count + 1::2] = index.backward_ids(stage)
+    rank, step = index.rank.__getitem__, index.step.__getitem__
+    return Links(list(map(rank, producers)), list(map(step, producers)),
+                 list(map(rank, consumers)), list(map(step, consumers)))
 
 
-class _Placer:
-    """Working state of one ``lower`` call: the gaps of every row and the current reference run."""
+def _assemble(table: Table, placer: Placer, crossings: list[int]) -> Table:
+    """The rows with each gap's messages in the order they meet (activations before grads at
+    one time, then by boundary and microbatch): sends on the producer's rank, receives on the
+    other."""
+    m, meets, src = table.num_microbatches, placer.meeting_times(), placer.links.src
+    sends: list[Action] = []
+    receives: list[Action] = []
+    for s in crossings:
+        sends += [a for mb in range(m) for a in (Action(s, SEND_F, mb), Action(s + 1, SEND_B, mb))]
+        receives += [a for mb in range(m)
+                     for a in (Action(s + 1, RECV_F, mb), Action(s, RECV_B, mb))]
 
-    def __init__(self, table: Table, costs: Costs) -> None:
-        self.table, self.costs = table, costs
-        self.step = {a: step for _, step, a in table.positions()}
-        self.rank = {a: rank for rank, _, a in table.positions()}
-        self.gaps: list[list[list[Action]]] = [[[] for _ in range(len(row) + 1)]
-                                               for row in table.rows]
-        self.rerun()
+    def order(n: int) -> tuple[float, int, int, int]:
+        return meets[n], n % 2, crossings[n // 2 // m], n // 2 % m
 
-    def current(self) -> Table:
-        rows = []
-        for row, gaps in zip(self.table.rows, self.gaps, strict=True):
-            rows.append([a for step, gap in enumerate(gaps) for a in [*gap, *row[step:step + 1]]])
-        return attrs.evolve(self.table, rows=rows)
-
-    def rerun(self) -> None:
-        """Time the table as placed so far (messages not yet placed move freely)."""
-        index = TableIndex(self.current())
-        duration = [self.costs.compute_time(a) if a.is_compute else 0.0 for a in index.actions]
-        timing = execute(index, duration, [0.0] * self.table.num_stages)
-        self.start = dict(zip(index.actions, timing.start, strict=True))
-        self.end = dict(zip(index.actions, timing.end, strict=True))
-        self.ends = [[self.end[a] for a in row] for row in self.table.rows]
-
-    def gap(self, rank: int, slot: int) -> tuple[float, float]:
-        """(begin, end) of the gap before step ``slot`` of ``rank``'s row in the current run."""
-        row = self.table.rows[rank]
-        begin = self.end[row[slot - 1]] if slot > 0 else -math.inf
-        return begin, self.start[row[slot]] if slot < len(row) else math.inf
-
-    def place(self, message: _Message) -> bool:
-        """Put ``message`` where both ranks are idle at once; False when the receiver must wait."""
-        src, dst = self.rank[message.producer], self.rank[message.consumer]
-        ready, needed = self.end[message.producer], self.start[message.consumer]
-        last = self.step[message.consumer]
-        for slot in range(self.step[message.producer] + 1, len(self.table.rows[src]) + 1):
-            begin, end = self.gap(src, slot)
-            if begin > needed:
-                break
-            low, high = max(begin, ready), min(end, needed)
-            peer = min(bisect_right(self.ends[dst], high), last)
-            if low <= high and self.gap(dst, peer)[1] >= low:
-                self._insert(message, slot, peer)
-                return True
-        self._insert(message, self.step[message.producer] + 1,
-                     min(bisect_right(self.ends[dst], ready), last))
-        return False
-
-    def _insert(self, message: _Message, slot: int, peer: int) -> None:
-        self.gaps[self.rank[message.producer]][slot].append(message.send)
-        self.gaps[self.rank[message.consumer]][peer].append(message.recv)
-
-    def finish(self) -> Table:
-        """Order each gap by when its messages meet (the send's end), then return the table."""
-        self.rerun()
-        for gaps in self.gaps:
-            for gap in gaps:
-                gap.sort(key=lambda a: (self.end[a if a.is_send else a.partner()],
-                                        a.kind in (SEND_B, RECV_B), min(a.stage, a.peer_stage or 0),
-                                        a.microbatch))
-        return self.current()
+    rows = []
+    for rank, row in enumerate(table.rows):
+        out: list[Action] = []
+        done = 0
+        for step in sorted(placer.gaps[rank]):
+            out += row[done:step]
+            done, found = step, placer.members(rank, step)
+            found.sort(key=order)
+            out += [sends[n] if src[n] == rank else receives[n] for n in found]
+        rows.append(out + list(row[done:]))
+    return attrs.evolve(table, rows=rows)

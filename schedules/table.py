@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import attrs
 
-from schedules.action import Action
+from schedules.action import COMM_KINDS, Action
 from schedules.errors import ScheduleError
 from schedules.grid import format_grid
 
@@ -17,6 +19,8 @@ __all__ = ["Table"]
 _FORMAT = "fnpipe.schedules.Table"
 _VERSION = 1
 _GRID_COLUMNS = 32  # error messages crop wider grids to the steps around the marked cells
+_COMM = frozenset(COMM_KINDS)
+_KIND = attrgetter("kind")
 
 
 def _to_ranks(ranks: Iterable[int]) -> tuple[int, ...]:
@@ -63,6 +67,8 @@ class Table:
                     f"{self.num_ranks} rows (ranks 0..{self.num_ranks - 1})"
                 )
         for rank, row in enumerate(self.rows):
+            if all(map(isinstance, row, repeat(Action))):  # the usual case, looped in C
+                continue
             for step, action in enumerate(row):
                 if not isinstance(action, Action):
                     raise ScheduleError(
@@ -77,7 +83,7 @@ class Table:
     @property
     def is_lowered(self) -> bool:
         """True when the table holds communication actions (the output of ``lower``)."""
-        return any(action.is_comm for row in self.rows for action in row)
+        return any(not _COMM.isdisjoint(map(_KIND, row)) for row in self.rows)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)

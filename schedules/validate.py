@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from schedules._screen import well_formed
 from schedules.action import BW, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W
 from schedules.errors import ScheduleError
 from schedules.execute import execute
@@ -31,8 +32,9 @@ def validate(table: Table) -> None:
 def check_structure(table: Table) -> TableIndex:
     """All checks of ``validate`` except running the table; returns the index for reuse."""
     index = TableIndex(table)
-    for check in _CHECKS:
-        check(index)
+    if not well_formed(index):  # the checks below find and explain what is wrong
+        for check in _CHECKS:
+            check(index)
     return index
 
 

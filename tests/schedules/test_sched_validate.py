@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from sched_cases import build, cases
 
 import schedules
 from schedules import Action, ScheduleError, Table
+from schedules.index import TableIndex
+from schedules.validate import check_structure
 
 
 def _error(table: Table) -> str:
@@ -161,3 +167,64 @@ def test_deadlock_in_a_big_lowered_table_is_found_within_a_second() -> None:
     with pytest.raises(ScheduleError, match="deadlock"):
         schedules.simulate(broken)
     assert time.perf_counter() - began < 1.0
+
+
+def _mutated(table: Table, edits: list[tuple[int, int, int, int, int]]) -> Table:
+    """``table`` after edits (kind, rank, step, other rank, value): swap, move, drop, repeat or
+    add an action, possibly out of range or of a kind the table does not use."""
+    rows = [list(row) for row in table.rows]
+    for kind, rank, step, other, value in edits:
+        row, target = rows[rank % len(rows)], rows[other % len(rows)]
+        at = step % len(row) if row else 0
+        if kind == 0 and len(row) > 1:
+            row[at], row[(at + value) % len(row)] = row[(at + value) % len(row)], row[at]
+        elif kind == 1 and row:
+            target.insert(value % (len(target) + 1), row.pop(at))
+        elif kind == 2 and row:
+            row.pop(at)
+        elif kind == 3 and row:
+            target.insert(value % (len(target) + 1), row[at])
+        elif kind == 4:
+            made = Action(value % (table.num_stages + 1), schedules.KINDS[value % 8],
+                          (value // 8) % (table.num_microbatches + 1))
+            target.insert(step % (len(target) + 1), made)
+    return Table(table.num_stages, table.num_microbatches, table.stage_to_rank, rows)
+
+
+def _explained(check: object, table: Table) -> str | None:
+    try:
+        check(table)  # type: ignore[operator]
+    except ScheduleError as error:
+        return str(error)
+    return None
+
+
+def _every_check(table: Table) -> None:
+    validate_module = sys.modules["schedules.validate"]
+    index = TableIndex(table)
+    for check in validate_module._CHECKS:
+        check(index)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.booleans(), st.lists(
+    st.tuples(st.integers(0, 4), st.integers(0, 7), st.integers(0, 400), st.integers(0, 7),
+              st.integers(0, 400)), min_size=1, max_size=3))
+def test_fast_screen_never_hides_an_error(case: tuple[str, int, int, dict[str, int]],
+                                          lowered: bool,
+                                          edits: list[tuple[int, int, int, int, int]]) -> None:
+    """``check_structure`` clears well-formed tables in one fast pass and runs the checks one by
+    one otherwise: it must raise exactly what the checks alone raise."""
+    table = build(*case)
+    table = _mutated(schedules.lower(table) if lowered else table, edits)
+    assume(any(table.rows))  # a table of empty rows fails in the grid printer, screened or not
+    assert _explained(check_structure, table) == _explained(_every_check, table)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.booleans())
+def test_valid_tables_take_the_fast_screen(case: tuple[str, int, int, dict[str, int]],
+                                           lowered: bool) -> None:
+    table = build(*case)
+    assert sys.modules["schedules._screen"].well_formed(
+        TableIndex(schedules.lower(table) if lowered else table))
