@@ -37,8 +37,8 @@ def format_grid(
     total = max([len(header)] + [len(row) for row in cells])
     columns = _columns(total, marks, max_columns)
     texts = [row[c] if c < len(row) else "" for row in cells for c in columns]
-    width = max([len(t) for t in texts] + [len(header[c]) for c in columns if c < len(header)])
-    label_width = max(len(label) for label in labels)
+    width = max([len(t) for t in texts] + [len(header[c]) for c in columns if c < len(header)], default=0)
+    label_width = max((len(label) for label in labels), default=0)
     room = 2 if marks else 1
     crop_left = "… " if columns.start > 0 else ""
     crop_right = " …" if columns.stop < total else ""
