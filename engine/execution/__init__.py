@@ -9,7 +9,8 @@ launch and bootstrap of a world (`launch`), the Step (`step`), in-process runs o
 and program replay for memory (`footprint`).
 
 May import: `ir`, `schedules`, `engine.planning` (the Plan and the artefacts it carries), and
-engine's shared leaves (`engine.errors`, `engine.names`, `engine.logs`, `engine.progress`).
+engine's shared leaves (`engine.errors`, `engine.names`, `engine.logs`, `engine.progress`,
+`engine.units`).
 
 Must not import: `engine.training`, `engine.parallelize`, `engine.report` or `engine.testing`.
 """

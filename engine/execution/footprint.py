@@ -17,6 +17,7 @@ import attrs
 
 import ir
 
+from ..units import nbytes
 from .emit import StageInfo
 from .program import COMPUTE, Instr, Program
 
@@ -33,8 +34,8 @@ class Footprint:
     held: tuple[int, ...]
 
     def __str__(self) -> str:
-        return (f"rank {self.rank}: peak {self.peak / 2**30:.2f} GiB at instruction {self.peak_at} "
-                f"(params and batch {self.static / 2**30:.2f} GiB)")
+        return (f"rank {self.rank}: peak {nbytes(self.peak)} at instruction {self.peak_at} "
+                f"(params and batch {nbytes(self.static)})")
 
 
 class _Replay:

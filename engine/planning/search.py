@@ -27,7 +27,8 @@ from .calibration import Calibration
 from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size_of, schedule_options
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .layout import Layout, layouts
-from .memory import MemoryModel, gib, stage_peaks
+from ..units import nbytes
+from .memory import MemoryModel, stage_peaks
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
 from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
@@ -159,9 +160,9 @@ def _exact_overflow(cand: Candidate, limit: float, table: schedules.Table, mode:
         fix = ("make it fit with more pipeline stages or a smaller microbatch (more microbatches per step); or raise "
                "memory_limit")
     done = f", with activation recomputation on stages {redo}" if redo else ""
-    return (f"{_describe(cand.layout)}: rank {rank} (stages {list(mine)}) needs {gib(cand.rank_memory[rank])} by "
-            f"stage autodiff{done}, the limit is {gib(limit)}; the largest stage keeps "
-            f"{gib(largest.saved_bytes + largest.b_to_w_bytes)} of activations per microbatch; {fix}")
+    return (f"{_describe(cand.layout)}: rank {rank} (stages {list(mine)}) needs {nbytes(cand.rank_memory[rank])} by "
+            f"stage autodiff{done}, the limit is {nbytes(limit)}; the largest stage keeps "
+            f"{nbytes(largest.saved_bytes + largest.b_to_w_bytes)} of activations per microbatch; {fix}")
 
 
 def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequence[int]) -> Candidate:
@@ -235,7 +236,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     recompute = recompute_mode(recompute)
     if memory_limit is not None and not memory_limit > 0:
         raise PlanError(f"memory_limit is bytes per rank and must be > 0, got {memory_limit!r}; None means the "
-                        f"device's {profile.memory_bytes / 1e9:.0f} GB")
+                        f"device's {nbytes(profile.memory_bytes)}")
     if cuts is not None:
         if isinstance(stages, int) and stages != len(cuts) + 1:
             raise PlanError(f"stages={stages} but {len(cuts)} cuts make {len(cuts) + 1} stages; give one or the other")
@@ -282,7 +283,7 @@ def _chosen(planner: Candidates, cand: Candidate) -> Planned:
     log.info("plan:\n%s", p)
     if any(p.recompute):
         split_log.info("activation recomputation on stages %s (memory limit %s)",
-                       [k for k, r in enumerate(p.recompute) if r], gib(p.memory_limit or 0))
+                       [k for k, r in enumerate(p.recompute) if r], nbytes(p.memory_limit or 0))
     size = p.microbatch_size
     return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute),
                    lowered_table(p, planner.build))
