@@ -77,7 +77,8 @@ class _Replay:
             self.now -= self.live.pop(ref, 0)
 
     def loss_grad(self, ins: Instr) -> None:
-        self.hold(ins.writes[0], self.infos[ins.stage].stage.graph.outputs[-1].aval.dtype.itemsize)
+        info = self.infos[ins.stage]
+        self.hold(ins.writes[0], info.stage.graph.outputs[info.loss_index].aval.dtype.itemsize)
 
     def reduce_grads(self, ins: Instr) -> None:
         for ref in ins.reads:

@@ -24,6 +24,7 @@ class Transport(Protocol):
     def wait(self, handle: Any, what: str) -> None: ...
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
     def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 class DistTransport:
@@ -51,7 +52,8 @@ class DistTransport:
         self.channels: dict[tuple[int, int], Any] = {}
         for a, b in sorted(set(channels)):
             self.channels[(a, b)] = dist.new_group(sorted((a, b)), timeout=td)
-        self._connect(device or torch.device("cpu"))
+        self.device = device or torch.device("cpu")
+        self._connect(self.device)
 
     def _connect(self, device: torch.device) -> None:
         """One small message down every channel this rank is on, in the same order on all ranks."""
@@ -100,6 +102,20 @@ class DistTransport:
         except RuntimeError as exc:
             raise self._failure(where, exc, peers) from exc
         self.wait(_DistWork(work, where, peers), "summing")
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape and dtype on all), as tensors on the CPU: data, never pickled objects."""
+        everyone = tuple(range(self.world_size))
+        mine = t.to(self.device).contiguous()
+        out = [torch.empty_like(mine) for _ in everyone]
+        where = "all-gather over all ranks"
+        peers = tuple(r for r in everyone if r != self.rank)
+        try:
+            work = dist.all_gather(out, mine, group=self.groups[everyone], async_op=True)
+        except RuntimeError as exc:
+            raise self._failure(where, exc, peers) from exc
+        self.wait(_DistWork(work, where, peers), "gathering")
+        return [o.cpu() for o in out]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -222,6 +238,10 @@ class LocalTransport:
         hub.block(self.rank, f"all-reduce over ranks {list(group)}", lambda: len(slot) == len(group))
         total = sum(slot[r].clone() for r in group)  # rank order: every member gets identical bits
         t.copy_(total)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t`, in rank order (each a copy)."""
+        return [x.clone() for x in self.all_gather_object(t.detach().cpu().clone())]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         box = [None] * self.world_size

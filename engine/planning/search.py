@@ -226,7 +226,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
-           build: Callable[..., schedules.Table] | None = None) -> Planned:
+           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them."""
@@ -244,7 +244,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
     candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
     trace_device = "cuda" if profile.kind == "cuda" and torch.cuda.is_available() else "cpu"
-    workshop = workshop or Workshop(fn, params, example_batch, device=trace_device)
+    workshop = workshop or Workshop(fn, params, example_batch, device=trace_device, has_aux=has_aux)
     planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
                          limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
                          min_blocks=max(c.num_stages for c in candidates), recompute=recompute)
@@ -270,7 +270,9 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     name ("h100", "h200", "cpu", "cuda") whose memory is the default `memory_limit` (bytes per rank).
     `recompute` is activation recomputation per stage (F keeps only the stage's outputs, B redoes the
     forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
-    (`plan.recompute` says which). Other options: `world_size` (1), `schedule` ("1f1b"),
+    (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
+    otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
+    anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
     `stages_per_rank`, `link`, `memory_model`, `calibration`. Raises PlanError for counts that do not fit
     the world or batch, SplitError when nothing fits memory. `search` takes the same and also returns
     the graph, stage programs and lowered table it made on the way.
