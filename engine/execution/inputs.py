@@ -54,12 +54,19 @@ def fingerprints(leaves: Sequence[Any]) -> torch.Tensor:
     """int64[n, 4] per leaf: [1, sum, index-weighted sum, sum of squares] of its bytes read as integers, or
     zeros for a leaf with no data (None, a meta tensor, a spec). Integer sums wrap alike on every rank and
     in any order, so equal tensors give equal rows on every rank and device."""
-    rows = [_fingerprint(x) if isinstance(x, torch.Tensor) and x.device.type != "meta"
-            else torch.zeros(4, dtype=torch.int64) for x in leaves]
-    return torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.int64)
+    out = torch.zeros(len(leaves), 4, dtype=torch.int64)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.device.type != "meta":
+            by_device.setdefault(x.device, []).append(i)
+    for device, rows in by_device.items():  # one copy to the CPU per device, not one per leaf
+        out[rows, 0] = 1
+        out[rows, 1:] = torch.stack([_fingerprint(leaves[i]) for i in rows]).cpu()
+    return out
 
 
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """[sum, index-weighted sum, sum of squares] of `x`'s bytes as 1-, 2- or 4-byte integers, on its device."""
     flat = x.detach().contiguous().reshape(-1)
     size = flat.element_size()
     words = flat.view({1: torch.uint8, 2: torch.int16}.get(size, torch.int32)) if flat.numel() else flat
@@ -68,7 +75,7 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
         w = words[start:start + _CHUNK].to(torch.int64)
         ramp = torch.arange(start, start + w.numel(), device=w.device) % _RAMP + 1
         sums += torch.stack([w.sum(), (w * ramp).sum(), (w * w).sum()])
-    return torch.cat([torch.ones(1, dtype=torch.int64), sums.cpu()])
+    return sums
 
 
 class Inputs:

@@ -99,3 +99,12 @@ def test_the_plan_cache_keys_has_aux(tmp_path: Any) -> None:
     keys = {flag: plancache.cache_key(loss_fn, params, x, y, world_size=1, schedule="1f1b", has_aux=flag).digest()
             for flag in (True, False)}
     assert keys[True] != keys[False]
+
+
+def test_calibration_runs_a_loss_with_aux(tmp_path: Any) -> None:
+    params, x, y = model()
+    step = engine.parallelize(loss_fn, params, x, y, microbatches=2, has_aux=True, calibrate=tmp_path / "cal.json")
+    (loss, aux), _ = step(step.shard(params), x, y)
+    _, (ref, ref_aux) = torch.func.grad_and_value(loss_fn, has_aux=True)(params, x, y)
+    assert_close((loss, aux), (ref, ref_aux))
+    assert (tmp_path / "cal.json").exists()
