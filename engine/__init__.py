@@ -6,7 +6,7 @@ Read ARCHITECTURE.md at the repository root first: the data flow and where each 
 from __future__ import annotations
 
 from . import logs, progress, report  # logs applies ENGINE_LOG_LEVEL*
-from .errors import CommTimeoutError, EngineError, PlanError, RuntimeMismatchError, SplitError
+from .errors import CommTimeoutError, EngineError, InputError, PlanError, RuntimeMismatchError, SplitError
 from .execution.footprint import Footprint, footprint
 from .execution.launch import World, init
 from .execution.program import CommOp, Instr, Program
@@ -25,7 +25,7 @@ from . import _compat
 _compat.install()
 
 __all__ = [
-    "CheckpointError", "CommOp", "CommTimeoutError", "EngineError", "Footprint", "Instr", "ModuleError", "Plan", "PlanCacheError",
+    "CheckpointError", "CommOp", "CommTimeoutError", "EngineError", "Footprint", "InputError", "Instr", "ModuleError", "Plan", "PlanCacheError",
     "PlanError", "Program", "RuntimeMismatchError", "SplitError", "StagePlan", "Step", "World", "checkpoint",
     "footprint", "functionalize", "init", "logs", "mixed_precision", "optim", "parallelize", "plan", "plancache", "precision",
     "progress", "report",

@@ -14,6 +14,11 @@ class PlanError(EngineError):
     """The requested stages / replicas / microbatches / schedule do not fit the world or the batch."""
 
 
+class InputError(PlanError):
+    """The params or batch given to a step (or to `step.shard`) do not match what was planned, or the ranks
+    passed different values where they must pass equal ones."""
+
+
 class RuntimeMismatchError(EngineError):
     """Ranks hold different plans or programs, or a peer failed; the step refuses to run."""
 

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from .errors import PlanError
 from .execution import launch
 from .execution.executor import COMPILERS, Hook, check_compiler
+from .execution.inputs import check_mode
 from .execution.step import Step, connect, microbatch_example
 from .planning import cache as plancache
 from .planning.artifacts import Planned, Workshop, lowered_table, planned_from
@@ -76,12 +77,18 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None,
                 plan_cache: str | os.PathLike | None = None,
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
-                compute_dtype: torch.dtype | None = None, compiler: str = "fx") -> Step:
+                compute_dtype: torch.dtype | None = None, compiler: str = "fx", has_aux: bool = False,
+                check_inputs: str = "first") -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
     every rank and grads equal to `torch.func.grad(loss_fn)(params, *batch)` on the leaves this rank
-    holds (None elsewhere), for every schedule, stage count, microbatch count and dp degree.
+    holds (None elsewhere), for every schedule, stage count, microbatch count and dp degree. `loss_fn`
+    returns one floating-point scalar that depends on the params (else ir.TraceError, here), or with
+    `has_aux=True` a pair `(loss, aux)`: the step then returns `((loss, aux), grads)`, each aux leaf averaged
+    over the microbatches like the loss and given to every rank (README, "The contract"). Each call checks
+    this rank's params and batch against the plan (engine.InputError); `check_inputs` ("first", "every",
+    "never") is when the ranks also compare fingerprints of their batch and params.
     `plan_cache` (a directory, or a .json deployment file) reuses a plan made for the same model,
     world, schedule and options instead of planning again (engine.planning.cache). `calibrate=True` times
     every op of the model once on rank 0's device before splitting, so the split balances measured
@@ -96,20 +103,17 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     """
     if compute_dtype is not None:
         loss_fn = mixed_precision(loss_fn, compute_dtype)
-    try:  # before anything slow or collective; the registry's message suggests the closest name
-        check_compiler(compiler)
-    except ValueError as err:
-        raise PlanError(str(err)) from err
+    _check_options(compiler, check_inputs)
     build = schedule_builder(schedule)
     world = launch.init(timeout)
-    workshop = Workshop(loss_fn, params, example_batch, device=world.device.type)
+    workshop = Workshop(loss_fn, params, example_batch, device=world.device.type, has_aux=has_aux)
     planned = _planned(world, workshop, loss_fn, params, example_batch, schedule=schedule, build=build,
                        plan_cache=plan_cache, calibrate=calibrate, options=dict(
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
-                           recompute=recompute))
+                           recompute=recompute, has_aux=has_aux))
     transport = connect(world, planned.planned, timeout)
-    step = Step(planned.planned, world, transport, hook=hook, compiler=compiler)
+    step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     programs = step.verify()
     if planned.entry is not None:
         plancache.record_programs(planned.entry, programs, write=world.rank == 0)
@@ -117,6 +121,15 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         step.executor.warmup(step.local_stages)
     log.info("rank %d: %s", world.rank, step.program)
     return step
+
+
+def _check_options(compiler: str, check_inputs: str) -> None:
+    """Before anything slow or collective: PlanError for an unknown compiler or check_inputs mode."""
+    try:
+        check_compiler(compiler)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
+    check_mode(check_inputs)
 
 
 @attrs.frozen

@@ -10,12 +10,13 @@ from .costs import EqnCost, eqn_cost, format_costs, graph_costs
 from .errors import IRError, TraceError
 from .evaluate import evaluate, interpret
 from .liveness import RunBytes, run_bytes
+from .loss import aux_names, check_loss, returns_aux
 from .printer import format_graph
 from .slicing import Stage, slice_graph, split
 from .trace import TensorSpec, trace
 
 __all__ = [
     "AbstractValue", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
-    "TraceError", "Var", "check", "compile_graph", "eqn_cost", "evaluate", "format_costs", "format_graph",
-    "graph_costs", "interpret", "random", "recomputable", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
+    "TraceError", "Var", "aux_names", "check", "check_loss", "compile_graph", "eqn_cost", "evaluate", "format_costs", "format_graph",
+    "graph_costs", "interpret", "random", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
 ]

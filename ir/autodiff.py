@@ -236,11 +236,13 @@ def _at_first_use(eqns: Sequence[Eqn], lazy: set[int]) -> tuple[Eqn, ...]:
     return tuple(out)
 
 
-def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None = None,
-                   recompute: bool = False) -> StageAD:
+def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: Sequence[int] = (),
+                   device: str | None = None, recompute: bool = False) -> StageAD:
     """Forward / B / W graphs for a stage graph `g` (see StageAD). B differentiates the non-param
     float inputs except those in `constant` (batch leaves), W the float params (the first
-    `g.num_params` inputs). `device` overrides the graph's device for tracing.
+    `g.num_params` inputs). Outputs in `constant_outputs` (a loss function's aux values) are computed by
+    F but get no cotangent slot: nothing is differentiated through them. `device` overrides the graph's
+    device for tracing.
 
     `backward` is B and W fused, for schedules that run them back to back (BW): each weight grad is
     computed right after the input grad it shares operands with, as eager autograd does, so the
@@ -252,7 +254,8 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), device: str | None
     n_in = len(g.inputs)
     skip = set(constant)
     diff_in = [i for i, v in enumerate(g.inputs) if _differentiable(v) and i not in skip]
-    diff_out = [j for j, v in enumerate(g.outputs) if isinstance(v, Var) and _differentiable(v)]
+    diff_out = [j for j, v in enumerate(g.outputs) if isinstance(v, Var) and _differentiable(v)
+                and j not in set(constant_outputs)]
     jg = _own_grads(_trace_joint(g, diff_in, diff_out, device), len(g.outputs))
     outs = list(jg.outputs[: len(g.outputs)])
     grads = list(jg.outputs[len(g.outputs):])

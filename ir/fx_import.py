@@ -94,5 +94,7 @@ class FxImporter:
         flat = pytree.tree_leaves(self._arg(node.args[0]))
         for x in flat:
             if not isinstance(x, (Var, Literal)):
-                raise TraceError(f"the function returns {x!r}; every output leaf must be a tensor")
+                raise TraceError(f"the function returns {x!r}; every output leaf must be a tensor: a loss "
+                                 "function returns one scalar tensor, or (loss, aux) with has_aux=True, aux a "
+                                 "pytree of tensors")
         self.outputs = tuple(flat)

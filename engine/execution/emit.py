@@ -60,8 +60,9 @@ class _Emitter:
         outs = [env[info.ad.out_slots[j]] for j in range(len(info.stage.acts_out))]
         if s + 1 < len(self.infos) and self.table.rank_of(s + 1) == self.rank:
             self.acts[(s + 1, mb)] = outs
-        if info.stage.is_last:
-            self.out.append(Instr("add_loss", s, mb, (env[info.ad.out_slots[-1]],)))
+        if info.stage.is_last:  # the loss, then the loss function's aux leaves (has_aux)
+            reads = [env[info.ad.out_slots[j]] for j in (info.loss_index, *info.aux_indices())]
+            self.out.append(Instr("add_loss", s, mb, tuple(reads)))
 
     def backward_input(self, s: int, mb: int) -> None:
         self._backward("backward_input", self.infos[s].ad.backward_input, s, mb)
@@ -85,7 +86,7 @@ class _Emitter:
         if info.stage.is_last:
             self.flush()
             seed = self.buf()
-            env[info.ad.ct_slots[-1]] = seed
+            env[info.ad.ct_slots[info.loss_index]] = seed
             self.out.append(Instr("loss_grad", s, mb, (), (seed,)))
         for j, ref in zip(info.ct_outs(), self.cts.pop((s, mb), [])):
             env[info.ad.ct_slots[j]] = ref

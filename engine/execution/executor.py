@@ -27,7 +27,10 @@ class Executor:
         self.compile = COMPILERS[check_compiler(compiler)]
         self.tracer: Tracer | None = None
         self.parts: dict[tuple[int, str, tuple[int, ...]], Callable[..., Any]] = {}  # (stage, kind, accumulate)
-        self.loss_dtype = infos[-1].stage.graph.outputs[-1].aval.dtype
+        last = infos[-1]
+        self.loss_dtype = last.stage.graph.outputs[last.loss_index].aval.dtype
+        self.aux_avals = [last.stage.graph.outputs[j].aval for j in last.aux_indices()]  # has_aux: every rank sums them
+        self.aux: list[torch.Tensor] = []
 
     # -- one step -------------------------------------------------------------------------------
     def run(self, params: dict[int, torch.Tensor], microbatches: Sequence[dict[int, torch.Tensor]]
@@ -37,8 +40,8 @@ class Executor:
         self.pending: dict[str, Any] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.grads: dict[int, torch.Tensor] = {}
-        self.loss = torch.zeros((), dtype=torch.float64 if self.loss_dtype == torch.float64 else torch.float32,
-                                device=self.device)
+        self.loss = torch.zeros((), dtype=_summed(self.loss_dtype), device=self.device)
+        self.aux = [torch.zeros(a.shape, dtype=_summed(a.dtype), device=self.device) for a in self.aux_avals]
         tracer = self.tracer
         if tracer is not None:
             tracer.begin_step()
@@ -159,7 +162,9 @@ class Executor:
         self.bufs[ins.writes[0]] = torch.full((), 1.0 / (self.m * self.dp), dtype=self.loss_dtype, device=self.device)
 
     def add_loss(self, ins: Instr) -> None:
-        self.loss += self.read(ins.reads[0], ins.mb).detach().to(self.loss.dtype) / (self.m * self.dp)
+        """The microbatch's loss and aux leaves, each added as its share of the mean over dp x microbatches."""
+        for total, ref in zip((self.loss, *self.aux), ins.reads):
+            total += self.read(ref, ins.mb).detach().to(total.dtype) / (self.m * self.dp)
 
     def reduce_grads(self, ins: Instr) -> None:
         pids = [int(r[1:]) for r in ins.reads]
@@ -175,9 +180,26 @@ class Executor:
                 self.grads[pid] = g
 
     def reduce_loss(self, ins: Instr) -> None:
+        """Every rank gets the loss (and aux leaves) summed over the last stage's ranks; the others hold zeros."""
         self._drain_sends()
-        if self.transport.world_size > 1:
-            self.transport.all_reduce(self.loss, tuple(range(self.transport.world_size)))
+        if self.transport.world_size == 1:
+            return
+        everyone = tuple(range(self.transport.world_size))
+        if not self.aux:
+            self.transport.all_reduce(self.loss, everyone)
+            return
+        totals = [self.loss, *self.aux]
+        for dtype in dict.fromkeys(t.dtype for t in totals):  # one sum per dtype, in the same order on every rank
+            group = [t for t in totals if t.dtype == dtype]
+            flat = _flatten_dense_tensors(group)
+            self.transport.all_reduce(flat, everyone)
+            for t, summed in zip(group, _unflatten_dense_tensors(flat, group)):
+                t.copy_(summed)
+
+
+def _summed(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loss or aux leaf is summed over microbatches in: float64 stays, the rest sum in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _inductor(graph: ir.Graph, accumulate: tuple[int, ...]) -> Callable[..., Any]:

@@ -17,6 +17,7 @@ import attrs
 
 import ir
 
+from ..units import nbytes
 from .emit import StageInfo
 from .program import COMPUTE, Instr, Program
 
@@ -33,8 +34,8 @@ class Footprint:
     held: tuple[int, ...]
 
     def __str__(self) -> str:
-        return (f"rank {self.rank}: peak {self.peak / 2**30:.2f} GiB at instruction {self.peak_at} "
-                f"(params and batch {self.static / 2**30:.2f} GiB)")
+        return (f"rank {self.rank}: peak {nbytes(self.peak)} at instruction {self.peak_at} "
+                f"(params and batch {nbytes(self.static)})")
 
 
 class _Replay:
@@ -76,7 +77,8 @@ class _Replay:
             self.now -= self.live.pop(ref, 0)
 
     def loss_grad(self, ins: Instr) -> None:
-        self.hold(ins.writes[0], self.infos[ins.stage].stage.graph.outputs[-1].aval.dtype.itemsize)
+        info = self.infos[ins.stage]
+        self.hold(ins.writes[0], info.stage.graph.outputs[info.loss_index].aval.dtype.itemsize)
 
     def reduce_grads(self, ins: Instr) -> None:
         for ref in ins.reads:

@@ -32,9 +32,10 @@ class InProcessResult:
 
 
 def build_steps(fn: Callable, params: Any, batch: Sequence[Any], plan: Plan | Planned, *, timeout: float = 30.0,
-                hook: Hook | None = None) -> tuple[Step, ...]:
+                hook: Hook | None = None, has_aux: bool = False) -> tuple[Step, ...]:
     """Every rank's Step of `plan` on CPU over one hub; a Plan gets its artefacts traced here, once."""
-    planned = plan if isinstance(plan, Planned) else planned_from(plan, Workshop(fn, params, batch, device="cpu"))
+    workshop = Workshop(fn, params, batch, device="cpu", has_aux=has_aux)
+    planned = plan if isinstance(plan, Planned) else planned_from(plan, workshop)
     return steps_of(planned, timeout=timeout, hook=hook)
 
 

@@ -18,6 +18,7 @@ from . import launch
 from .assemble import Programs, channels, common_fingerprint, disagreements, interface, reduce_groups
 from .executor import Executor, Hook
 from .footprint import Footprint, footprint
+from .inputs import Inputs
 from .program import Program
 from .spans import Span, Tracer
 from .transport import DistTransport, Hub, LocalTransport, Transport
@@ -44,10 +45,15 @@ def microbatch_example(batch: Sequence[Any], parts: int) -> tuple[Any, ...]:
 
 
 class Step:
-    """The compiled training step of one rank. Call `shard` once, then `step(params, *batch)`."""
+    """The compiled training step of one rank. Call `shard` once, then `step(params, *batch)`.
+
+    Each call first checks this rank's params and batch against the plan (no communication: bad input
+    raises InputError on every rank that got it); on the steps `check_inputs` names ("first", "every" or
+    "never") the ranks also compare fingerprints of their batch and of the params they must hold alike.
+    """
 
     def __init__(self, planned: Planned, world: launch.World, transport: Transport, *, hook: Hook | None = None,
-                 compiler: str = "fx", program: Program | None = None) -> None:
+                 compiler: str = "fx", program: Program | None = None, check_inputs: str = "first") -> None:
         self.planned, self.world, self.transport = planned, world, transport
         self.plan, self.graph, self.infos, self.table = planned.plan, planned.graph, planned.stages, planned.table
         self.programs = Programs(planned, {world.rank: program} if program is not None else None)
@@ -63,6 +69,20 @@ class Step:
         self.executor = Executor(self.program, self.infos, transport, microbatches=self.plan.microbatches,
                                  dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
         self.closed = False
+        self.has_aux = ir.returns_aux(self.graph)
+        self.inputs = Inputs(self.graph, microbatches=self.plan.microbatches, dp=self.plan.dp, holders=self.holders(),
+                             local=self.local_params, world=world, check=check_inputs)
+
+    def holders(self) -> dict[int, tuple[int, ...]]:
+        """Each param leaf -> the world ranks that hold it (its stages' ranks, in every replica)."""
+        p, out = self.plan.pipeline_depth, {}
+        for info in self.infos:
+            for pid in info.stage.param_ids:
+                q = self.table.rank_of(info.stage.index)
+                out.setdefault(pid, set()).update(d * p + q for d in range(self.plan.dp))
+        for pid in self.unused:  # held by pipeline position 0 of every replica
+            out.setdefault(pid, set()).update(d * p for d in range(self.plan.dp))
+        return {pid: tuple(sorted(ranks)) for pid, ranks in sorted(out.items())}
 
     @property
     def program(self) -> Program:
@@ -87,8 +107,8 @@ class Step:
         """All ranks must hold the same plan, graph and lowered table, and their programs must fit together
         (every send met by its receive, every sum joined alike); refuse to run otherwise, on every rank.
         Returns every rank's program fingerprint (each rank emitted only its own)."""
-        mine = [common_fingerprint(self.planned), fingerprint(self.program.to_json()),
-                interface(self.program, self.world.size)]
+        common = fingerprint([common_fingerprint(self.planned), self.inputs.check])  # check_inputs is collective too
+        mine = [common, fingerprint(self.program.to_json()), interface(self.program, self.world.size)]
         prints = self.transport.all_gather_json(mine)
         bad = [r for r, (common, _, _) in enumerate(prints) if common != prints[0][0]]
         odd = [] if bad else disagreements([face for _, _, face in prints])
@@ -99,7 +119,7 @@ class Step:
                                        "dtypes and options, and run the same fnpipe")
         return tuple(program for _, program, _ in prints)
 
-    def traced(self, params: Any, *batch: Any) -> tuple[torch.Tensor, Any, list[Span]]:
+    def traced(self, params: Any, *batch: Any) -> tuple[Any, Any, list[Span]]:
         """One step with every instruction timed (CUDA events on GPU); returns this rank's spans too."""
         self.executor.tracer = Tracer(self.world.rank, self.world.device)
         try:
@@ -122,29 +142,30 @@ class Step:
                      for p in self.programs.all())
 
     def shard(self, params: Any) -> Any:
-        """This rank's leaves moved to its device; leaves used only by other ranks become None."""
-        leaves, tree = pytree.tree_flatten(params)
+        """This rank's leaves moved to its device; leaves used only by other ranks become None. Every leaf is
+        fingerprinted (no communication): the next cross-rank check (`check_inputs`) compares them."""
+        problem = self.inputs.shard_problem(params)
+        if problem is not None:
+            raise problem
+        leaves, tree = pytree.tree_flatten(params, is_leaf=lambda x: x is None)
+        if self.inputs.check != "never":
+            self.inputs.record_shard(params)
         keep = set(self.local_params)
         out = [x.detach().to(self.world.device) if i in keep else None for i, x in enumerate(leaves)]
         return pytree.tree_unflatten(out, tree)
 
-    def __call__(self, params: Any, *batch: Any) -> tuple[torch.Tensor, Any]:
+    def __call__(self, params: Any, *batch: Any) -> tuple[Any, Any]:
+        """`(loss, grads)`, or `((loss, aux), grads)` for a loss function planned with has_aux=True."""
         if self.closed:
             raise PlanError("this step was closed (step.close() or the end of its `with` block); call "
                             "engine.parallelize again for a new one")
+        problem = self.inputs.problem(params, batch)  # this rank alone: no communication
+        if self.inputs.due(self.transport.world_size):
+            self.inputs.agree(self.transport, problem, params, batch)
+        elif problem is not None:
+            raise problem.error
         leaves, tree = pytree.tree_flatten(params, is_leaf=lambda x: x is None)
-        if len(leaves) != self.graph.num_params:
-            raise PlanError(f"params has {len(leaves)} leaves, the traced function {self.graph.num_params}; "
-                            "pass the tree returned by step.shard(params)")
-        local = {}
-        for pid in self.local_params:
-            x = leaves[pid]
-            want = self.graph.inputs[pid].aval
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want.shape or x.dtype != want.dtype:
-                got = ir.AbstractValue.of(x) if isinstance(x, torch.Tensor) else repr(x)
-                raise PlanError(f"param '{self.graph.input_names[pid]}' on rank {self.world.rank} should be "
-                                f"{want}, got {got}; pass the tree from step.shard(params)")
-            local[pid] = x
+        local = {pid: leaves[pid] for pid in self.local_params}
         m, dp = self.plan.microbatches, self.plan.dp
         chunks = split_batch(batch, m * dp)[self.replica * m:(self.replica + 1) * m]
         offset = self.graph.num_params
@@ -154,6 +175,8 @@ class Step:
             if pid in local and pid not in grads:
                 grads[pid] = torch.zeros_like(local[pid])
         out = [grads.get(pid) if pid in local else None for pid in range(len(leaves))]
+        if self.has_aux:
+            loss = pytree.tree_unflatten([loss, *self.executor.aux], self.graph.out_tree)
         return loss, pytree.tree_unflatten(out, tree)
 
     def gather(self, tree: Any) -> Any:

@@ -29,6 +29,7 @@ class Transport(Protocol):
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
     def all_gather_json(self, obj: Any) -> list[Any]: ...
     def close(self) -> None: ...
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 class DistTransport:
@@ -106,6 +107,20 @@ class DistTransport:
         except RuntimeError as exc:
             raise self._failure(where, exc, peers) from exc
         self.wait(_DistWork(work, where, peers), "summing")
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape and dtype on all), as tensors on the CPU: data, never pickled objects."""
+        everyone = tuple(range(self.world_size))
+        mine = t.to(self.device).contiguous()
+        out = [torch.empty_like(mine) for _ in everyone]
+        where = "all-gather over all ranks"
+        peers = tuple(r for r in everyone if r != self.rank)
+        try:
+            work = dist.all_gather(out, mine, group=self.groups[everyone], async_op=True)
+        except RuntimeError as exc:
+            raise self._failure(where, exc, peers) from exc
+        self.wait(_DistWork(work, where, peers), "gathering")
+        return [o.cpu() for o in out]
 
     def close(self) -> None:
         """Destroy the groups this transport made (its channels' and sums'); the world's stays."""
@@ -283,8 +298,14 @@ class LocalTransport:
     def close(self) -> None:
         pass  # nothing of the process's is held: the hub is plain memory
 
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t`, in rank order (each a copy)."""
+        return [x.clone() for x in self._exchange(t.detach().cpu().clone())]
+
     def all_gather_json(self, obj: Any) -> list[Any]:
-        obj = json.loads(json.dumps(obj))  # what a real job's peers would see
+        return self._exchange(json.loads(json.dumps(obj)))  # what a real job's peers would see
+
+    def _exchange(self, obj: Any) -> list[Any]:
         box = [None] * self.world_size
         group = tuple(range(self.world_size))
         n = self.seq.get(("obj",), 0)

@@ -48,6 +48,15 @@ class StageInfo:
         """Indices j of acts_out that receive a cotangent (float activations)."""
         return [j for j in range(len(self.stage.acts_out)) if self.ad.ct_slots[j] is not None]
 
+    @property
+    def loss_index(self) -> int:
+        """On the last stage, the position of the loss among the stage graph's outputs (its aux leaves follow)."""
+        return len(self.stage.acts_out)
+
+    def aux_indices(self) -> range:
+        """On the last stage, the positions of the loss function's aux leaves among the outputs (none elsewhere)."""
+        return range(self.loss_index + 1, len(self.stage.graph.outputs)) if self.stage.is_last else range(0)
+
     def recv_aval(self, what: str, k: int) -> ir.AbstractValue:
         """Shape and dtype of the k-th buffer that a receive of `what` ("act" or "grad") fills."""
         g = self.stage.graph
@@ -68,16 +77,18 @@ class Workshop:
     rank traces the same graph and factory ops land on each rank's current device.
     """
 
-    def __init__(self, fn: Callable, params: Any, batch: Sequence[Any], *, device: str = "cpu") -> None:
-        self.fn, self.params, self.batch, self.device = fn, params, tuple(batch), device
+    def __init__(self, fn: Callable, params: Any, batch: Sequence[Any], *, device: str = "cpu",
+                 has_aux: bool = False) -> None:
+        self.fn, self.params, self.batch, self.device, self.has_aux = fn, params, tuple(batch), device, has_aux
         self._graphs: dict[int, ir.Graph] = {}
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
 
     def graph(self, size: int) -> ir.Graph:
-        """The graph of one microbatch of `size` rows."""
+        """The graph of one microbatch of `size` rows, checked against the loss contract (`ir.check_loss`)."""
         if size not in self._graphs:
             specs = pytree.tree_map(lambda x: microbatch_spec(x, size), self.batch)
-            self._graphs[size] = ir.trace(self.fn, self.params, *specs, device=self.device)
+            graph = ir.trace(self.fn, self.params, *specs, device=self.device)
+            self._graphs[size] = ir.check_loss(graph, has_aux=self.has_aux, name=getattr(self.fn, "__name__", "loss_fn"))
         return self._graphs[size]
 
     def autodiff(self, size: int, stage: ir.Stage, recompute: bool = False) -> ir.StageAD:
@@ -94,11 +105,12 @@ class Workshop:
 
 
 def autodiff(stage: ir.Stage, recompute: bool = False, *, device: str | None = None) -> ir.StageAD:
-    """`ir.stage_autodiff` of a stage, its params differentiated and its batch leaves constant (`device`:
-    where the programs will run; None, the graph's own)."""
+    """`ir.stage_autodiff` of a stage, its params differentiated, its batch leaves and (last stage) the loss
+    function's aux outputs constant (`device`: where the programs will run; None, the graph's own)."""
     n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
-    return ir.stage_autodiff(stage.graph, constant=range(n_params, n_params + n_batch), device=device,
-                             recompute=recompute)
+    aux = range(len(stage.acts_out) + 1, len(stage.graph.outputs)) if stage.is_last else ()
+    return ir.stage_autodiff(stage.graph, constant=range(n_params, n_params + n_batch), constant_outputs=aux,
+                             device=device, recompute=recompute)
 
 
 def stage_programs(graph: ir.Graph, cuts: Sequence[int], recompute: Sequence[bool] = (), *,

@@ -156,7 +156,8 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
     `compile_program(graph, accumulate)` is how the runtime makes a program runnable (the execution
     side's compiler, handed in: planning does not import execution)."""
     dev = torch.device(device)
-    ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev))
+    ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
+                           constant_outputs=range(1, len(g.outputs)))  # a loss function's aux: not differentiated
     cal = calibrate(g, dev, repeats=repeats, calibration=calibration)
     for part in (ad.forward, ad.backward_input, ad.backward_weight):
         cal = calibrate(part.graph, dev, repeats=repeats, calibration=cal)

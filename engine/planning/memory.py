@@ -89,7 +89,3 @@ def rank_static(table: schedules.Table, stages: Sequence[StageMemory], rank: int
     mine = table.stages_of(rank)
     return sum(stages[s].static for s in mine) + max((stages[s].workspace for s in mine), default=0.0)
 
-
-def gib(nbytes: float) -> str:
-    """`31.2 GiB` for error messages."""
-    return f"{nbytes / 2**30:.1f} GiB"

@@ -11,6 +11,7 @@ import schedules
 
 from ..errors import PlanError
 from ..names import abbreviate
+from ..units import nbytes
 
 
 @attrs.frozen
@@ -100,7 +101,7 @@ class Plan:
 
 
 _COLUMNS = (("stage", 5), ("rank", 4), ("eqns", 9), ("modules", 26), ("params M", 8), ("GFLOP", 8),
-            ("fwd ms", 7), ("bwd ms", 7), ("act MB", 8), ("peak GB", 7), ("send MB", 7))
+            ("fwd ms", 7), ("bwd ms", 7), ("act", 9), ("peak", 9), ("send", 9))
 _NAMES = 3  # the one left-aligned column
 
 
@@ -113,8 +114,8 @@ def _row(s: StagePlan) -> tuple[str, ...]:
     names = abbreviate(s.names) or "-"
     return (str(s.index), str(s.rank), f"{s.start}-{s.stop - 1}", names if len(names) <= width else names[:width - 1] + "~",
             f"{s.num_params / 1e6:.1f}", f"{s.flops / 1e9:.1f}", f"{s.forward_time * 1e3:.2f}",
-            f"{(s.backward_input_time + s.backward_weight_time) * 1e3:.2f}", f"{s.activation_bytes / 1e6:.1f}",
-            f"{s.peak_memory / 1e9:.2f}", f"{s.send_bytes / 1e6:.1f}")
+            f"{(s.backward_input_time + s.backward_weight_time) * 1e3:.2f}", nbytes(s.activation_bytes),
+            nbytes(s.peak_memory), nbytes(s.send_bytes))
 
 
 def format_plan(plan: Plan) -> str:
@@ -122,14 +123,14 @@ def format_plan(plan: Plan) -> str:
     traffic per microbatch), then the layout and the predicted step."""
     lines = [_cells(tuple(name for name, _ in _COLUMNS)), *(_cells(_row(s)) for s in plan.stages)]
     opts = "".join(f", {k}={v}" for k, v in plan.schedule_options)
-    limit = f"{plan.memory_limit / 1e9:.1f} GB" if plan.memory_limit else "none"
-    ranks = " ".join(f"{m / 1e9:.2f}" for m in plan.rank_memory) or "-"
+    limit = nbytes(plan.memory_limit) if plan.memory_limit else "none"
+    ranks = ", ".join(nbytes(m) for m in plan.rank_memory) or "-"
     lines += [
         f"{plan.schedule}{opts}: {plan.num_stages} stages on {plan.pipeline_depth} ranks x dp {plan.dp} = "
         f"{plan.world_size} ranks; {plan.microbatches} microbatches of {plan.microbatch_size}",
         f"predicted step {plan.predicted_step_time * 1e3:.2f} ms (dp all-reduce {plan.allreduce_time * 1e3:.2f} ms), "
         f"bubble {plan.bubble_fraction:.1%}",
-        f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; planned peak GB per rank {ranks}",
+        f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; planned peak per rank {ranks}",
     ]
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")

@@ -27,7 +27,8 @@ from .calibration import Calibration
 from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size_of, schedule_options
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .layout import Layout, layouts
-from .memory import MemoryModel, gib, stage_peaks
+from ..units import nbytes
+from .memory import MemoryModel, stage_peaks
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
 from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
@@ -161,9 +162,9 @@ def _exact_overflow(cand: Candidate, limit: float, table: schedules.Table, mode:
         fix = ("make it fit with more pipeline stages or a smaller microbatch (more microbatches per step); or raise "
                "memory_limit")
     done = f", with activation recomputation on stages {redo}" if redo else ""
-    return (f"{_describe(cand.layout)}: rank {rank} (stages {list(mine)}) needs {gib(cand.rank_memory[rank])} by "
-            f"stage autodiff{done}, the limit is {gib(limit)}; the largest stage keeps "
-            f"{gib(largest.saved_bytes + largest.b_to_w_bytes)} of activations per microbatch; {fix}")
+    return (f"{_describe(cand.layout)}: rank {rank} (stages {list(mine)}) needs {nbytes(cand.rank_memory[rank])} by "
+            f"stage autodiff{done}, the limit is {nbytes(limit)}; the largest stage keeps "
+            f"{nbytes(largest.saved_bytes + largest.b_to_w_bytes)} of activations per microbatch; {fix}")
 
 
 def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequence[int]) -> Candidate:
@@ -227,7 +228,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
-           build: Callable[..., schedules.Table] | None = None) -> Planned:
+           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them."""
@@ -237,7 +238,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     recompute = recompute_mode(recompute)
     if memory_limit is not None and not memory_limit > 0:
         raise PlanError(f"memory_limit is bytes per rank and must be > 0, got {memory_limit!r}; None means the "
-                        f"device's {profile.memory_bytes / 1e9:.0f} GB")
+                        f"device's {nbytes(profile.memory_bytes)}")
     if cuts is not None:
         if isinstance(stages, int) and stages != len(cuts) + 1:
             raise PlanError(f"stages={stages} but {len(cuts)} cuts make {len(cuts) + 1} stages; give one or the other")
@@ -245,7 +246,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
     candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
     trace_device = "cuda" if profile.kind == "cuda" and torch.cuda.is_available() else "cpu"
-    workshop = workshop or Workshop(fn, params, example_batch, device=trace_device)
+    workshop = workshop or Workshop(fn, params, example_batch, device=trace_device, has_aux=has_aux)
     planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
                          limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
                          min_blocks=max(c.num_stages for c in candidates), recompute=recompute)
@@ -271,7 +272,9 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     name ("h100", "h200", "cpu", "cuda") whose memory is the default `memory_limit` (bytes per rank).
     `recompute` is activation recomputation per stage (F keeps only the stage's outputs, B redoes the
     forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
-    (`plan.recompute` says which). Other options: `world_size` (1), `schedule` ("1f1b"),
+    (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
+    otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
+    anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
     `stages_per_rank`, `link`, `memory_model`, `calibration`. Raises PlanError for counts that do not fit
     the world or batch, SplitError when nothing fits memory. `search` takes the same and also returns
     the graph, stage programs and lowered table it made on the way.
@@ -284,7 +287,7 @@ def _chosen(planner: Candidates, cand: Candidate) -> Planned:
     log.info("plan:\n%s", p)
     if any(p.recompute):
         split_log.info("activation recomputation on stages %s (memory limit %s)",
-                       [k for k, r in enumerate(p.recompute) if r], gib(p.memory_limit or 0))
+                       [k for k, r in enumerate(p.recompute) if r], nbytes(p.memory_limit or 0))
     size = p.microbatch_size
     return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute),
                    lowered_table(p, planner.build))

@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import attrs
 
 from ..errors import SplitError
-from .memory import MemoryModel, gib
+from ..units import nbytes
+from .memory import MemoryModel
 
 FIX = ("make it fit with more pipeline stages, activation recomputation, or a smaller microbatch "
        "(more microbatches per step); or raise memory_limit")
@@ -120,8 +121,8 @@ def infeasible_message(costs: BlockCosts, num_stages: int, *, live: Sequence[int
     need = peak(stage, over.bounds[stage], over.bounds[stage + 1])
     block = max(range(costs.num_blocks), key=lambda k: costs.stage_peak(k, k + 1, max(live), memory))
     label = f" ({names[block]})" if names else ""
-    return (f"no split into {num_stages} stages fits: stage {stage} needs at least {gib(need)} with "
-            f"{live[stage]} microbatch{'es' if live[stage] != 1 else ''} in flight, its limit is {gib(budgets[stage])}; the largest single "
-            f"block{label} needs {gib(costs.stage_peak(block, block + 1, max(live), memory))} alone "
-            f"({gib(costs.param_bytes[block] * (2 + memory.optimizer_factor))} of weights, grads and optimizer "
-            f"state, {gib(costs.saved[block])} of activations per microbatch); {FIX}")
+    return (f"no split into {num_stages} stages fits: stage {stage} needs at least {nbytes(need)} with "
+            f"{live[stage]} microbatch{'es' if live[stage] != 1 else ''} in flight, its limit is {nbytes(budgets[stage])}; the largest single "
+            f"block{label} needs {nbytes(costs.stage_peak(block, block + 1, max(live), memory))} alone "
+            f"({nbytes(costs.param_bytes[block] * (2 + memory.optimizer_factor))} of weights, grads and optimizer "
+            f"state, {nbytes(costs.saved[block])} of activations per microbatch); {FIX}")

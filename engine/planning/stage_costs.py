@@ -24,7 +24,8 @@ from .artifacts import autodiff
 from .blocks import Blocks
 from .op_costs import CostModel
 from ..errors import PlanError, SplitError
-from .memory import MemoryModel, StageMemory, gib, rank_static
+from ..units import nbytes
+from .memory import MemoryModel, StageMemory, rank_static
 from .split import FIX, BlockCosts, Partition, partition, split_costs
 
 
@@ -316,8 +317,8 @@ def _recompute_infeasible(rc: RecomputeCosts, num_stages: int, live: Sequence[in
     block = max(range(rc.costs.num_blocks), key=lambda k: rc.peak(k, k + 1, max(live), memory))
     label = f" ({names[block]})" if names else ""
     return (f"no split into {num_stages} stages fits, even with activation recomputation: stage {stage} needs at "
-            f"least {gib(peak(stage, b[stage], b[stage + 1]))} with {live[stage]} microbatch"
-            f"{'es' if live[stage] != 1 else ''} in flight, its limit is {gib(budgets[stage])}; the largest single "
-            f"block{label} needs {gib(rc.peak(block, block + 1, max(live), memory))} alone when it recomputes "
-            f"({gib(rc.costs.param_bytes[block] * (2 + memory.optimizer_factor))} of weights, grads and optimizer "
+            f"least {nbytes(peak(stage, b[stage], b[stage + 1]))} with {live[stage]} microbatch"
+            f"{'es' if live[stage] != 1 else ''} in flight, its limit is {nbytes(budgets[stage])}; the largest single "
+            f"block{label} needs {nbytes(rc.peak(block, block + 1, max(live), memory))} alone when it recomputes "
+            f"({nbytes(rc.costs.param_bytes[block] * (2 + memory.optimizer_factor))} of weights, grads and optimizer "
             f"state); {FIX_NO_RECOMPUTE}")

@@ -70,6 +70,9 @@ def mixed_precision(fn: Callable[..., Any], compute_dtype: torch.dtype = torch.b
             out = fn(params, *batch)
         if isinstance(out, torch.Tensor) and out.dtype in LOW_PRECISION:
             return out.float()
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) \
+                and out[0].dtype in LOW_PRECISION:  # (loss, aux) of has_aux
+            return out[0].float(), out[1]
         return out
 
     wrapped.compute_dtype = compute_dtype  # type: ignore[attr-defined]

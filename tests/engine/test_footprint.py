@@ -63,4 +63,4 @@ def test_each_rank_of_a_pipeline_agrees_with_the_planner_memory_model() -> None:
 
 def test_a_footprint_prints_its_peak() -> None:
     fp = engine.Footprint(rank=1, static=2**30, peak=3 * 2**29, peak_at=7, held=(2**30,) * 8)
-    assert str(fp) == "rank 1: peak 1.50 GiB at instruction 7 (params and batch 1.00 GiB)"
+    assert str(fp) == "rank 1: peak 1.5 GiB at instruction 7 (params and batch 1.0 GiB)"

@@ -46,11 +46,12 @@ def test_batch_not_divisible_by_microbatches_times_dp() -> None:
         engine.parallelize(models.loss_fn, PARAMS, *BATCH, microbatches=5)
 
 
-def test_batch_at_call_time_must_split_like_the_example(step: engine.Step) -> None:
-    with pytest.raises(PlanError) as caught:
+def test_batch_at_call_time_must_have_the_planned_rows(step: engine.Step) -> None:
+    with pytest.raises(engine.InputError) as caught:
         step(step.shard(PARAMS), *models.batch(size=10))
-    msg = str(caught.value)
-    assert "batch size 10" in msg and "4 equal microbatches" in msg and "multiple of it" in msg
+    assert str(caught.value) == ("batch leaf 'tokens' is i64[10,3], the step was planned for i64[16,3]; pass "
+                                 "batches of 16 rows (4 microbatches of 4 rows), or call engine.parallelize again "
+                                 "with an example batch of 10 rows")
 
 
 @pytest.mark.parametrize("world,stages,dp,valid", [
@@ -138,8 +139,9 @@ def test_param_leaf_of_the_wrong_shape_dtype_or_missing(step: engine.Step, leaf:
 
 
 def test_params_tree_with_the_wrong_leaf_count(step: engine.Step) -> None:
-    with pytest.raises(PlanError, match=r"params has 1 leaves, the traced function 14; pass the tree returned by "
-                                        r"step.shard\(params\)"):
+    with pytest.raises(engine.InputError, match=r"params has 1 leaves, the traced function 14 \(missing "
+                                                r"'layers.0.w', 'layers.0.b', 'layers.0.ln', 'layers.1.w' ...\); "
+                                                r"pass the tree returned by step.shard\(params\)"):
         step({"embed": PARAMS["embed"]}, *BATCH)
 
 

@@ -57,12 +57,12 @@ def test_gpt_split_is_balanced_and_cuts_between_blocks(stages: int) -> None:
 
 
 GOLDEN_TABLE = """\
-stage rank      eqns modules                    params M    GFLOP  fwd ms  bwd ms   act MB peak GB send MB
-    0    0       0-9 wte + blocks.0-1                1.5      3.0    1.00    2.00      5.0    2.00     1.0
-    1    1     10-24 blocks.2-3 + ln_f + wte         1.0      4.5    1.50    2.25      7.5    1.00     0.0
+stage rank      eqns modules                    params M    GFLOP  fwd ms  bwd ms       act      peak      send
+    0    0       0-9 wte + blocks.0-1                1.5      3.0    1.00    2.00   4.8 MiB   1.9 GiB 976.6 KiB
+    1    1     10-24 blocks.2-3 + ln_f + wte         1.0      4.5    1.50    2.25   7.2 MiB 953.7 MiB       0 B
 1f1b: 2 stages on 2 ranks x dp 1 = 2 ranks; 4 microbatches of 2
 predicted step 12.30 ms (dp all-reduce 0.00 ms), bubble 20.0%
-device h100, link nvlink, memory limit 80.0 GB; planned peak GB per rank 2.00 1.00"""
+device h100, link nvlink, memory limit 74.5 GiB; planned peak per rank 1.9 GiB, 953.7 MiB"""
 
 
 def test_plan_prints_a_stage_table_golden() -> None:
