@@ -20,7 +20,7 @@ from ..names import abbreviate
 from .artifacts import Workshop, build_table
 from .blocks import Blocks, coarsen
 from .layout import Layout
-from .memory import MemoryModel, peak_live, rank_peaks
+from .memory import MemoryModel, peak_live, rank_peaks, stage_peaks
 from .op_costs import CostModel
 from .split import BlockCosts, Partition
 from .stage_costs import RecomputeCosts, StageCost, estimate, exact, exact_blocks, schedule_costs, split_recompute, splits_bw
@@ -43,6 +43,7 @@ class Candidate:
     allreduce: float
     rank_memory: tuple[float, ...]
     recompute: tuple[bool, ...] = ()
+    stage_memory: tuple[float, ...] = ()  # each stage's own peak (what the plan table shows)
 
 
 class Candidates:
@@ -99,9 +100,10 @@ class Candidates:
         sim = schedules.simulate(table, schedule_costs(stages, table, self.model, self.memory))
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
-        peaks = rank_peaks(table, [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages], self.memory, sim)
+        mems = [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages]
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
-                         allreduce, peaks, tuple(s.recompute for s in stages))
+                         allreduce, rank_peaks(table, mems, self.memory, sim), tuple(s.recompute for s in stages),
+                         stage_peaks(table, mems, self.memory, sim))
 
     def split(self, layout: Layout, table: schedules.Table, blocks: Blocks, time_scale: Sequence[float] | None = None,
               saved_scale: Sequence[float] | None = None, budgets: Sequence[float] | None = None

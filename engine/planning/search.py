@@ -28,7 +28,7 @@ from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .layout import Layout, layouts
 from ..units import nbytes
-from .memory import MemoryModel, stage_peaks
+from .memory import MemoryModel
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
 from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
@@ -204,8 +204,8 @@ def _fixed_recompute(planner: Candidates, layout: Layout, table: schedules.Table
 def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
     layout = cand.layout
     size = layout.microbatch_size(planner.batch_size)
-    graph, table, memory = planner.graph(size), planner.table(layout), planner.memory
-    peaks = stage_peaks(table, [s.memory(memory, split_bw=splits_bw(table)) for s in cand.stages], memory)
+    graph, table = planner.graph(size), planner.table(layout)
+    peaks = cand.stage_memory
     stages = tuple(StagePlan(
         index=k, start=s.start, stop=s.stop, rank=table.rank_of(k), forward_time=s.forward,
         backward_input_time=s.backward_input, backward_weight_time=s.backward_weight, param_bytes=s.param_bytes,
