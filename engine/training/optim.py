@@ -8,8 +8,17 @@
         params, state = engine.optim.adamw(params, grads, state, lr=1e-3)
 
 Every function takes and returns trees with the params' structure; a None leaf (not on this rank, or
-no gradient) is skipped and stays None in the state. Results equal `torch.optim.SGD` / `AdamW`
-(single-tensor path) stepping the same tensors. The state is a dict of plain values and trees of tensors
+no gradient) is skipped: its param and state come back as the very objects passed in. `sgd` and
+`adamw` are pure: they never write to params, grads or state, and every updated leaf comes back as a
+new tensor (so each step allocates new params and state where torch.optim updates in place; the old
+ones are freed when the caller drops them). They run torch's own kernels over the local leaves, grouped
+by device and dtype as torch.optim groups them (engine/training/optim_kernels.py): contiguous float32 /
+float64 leaves through the fused kernel (one pass over memory, on copies made by one foreach call), the
+rest through the foreach kernels made out of place. Each leaf equals `torch.optim.SGD` / `AdamW`
+stepping the same tensor with the kernel it took, `fused=True` or `foreach=True`, bit for bit;
+`fused=False` takes foreach for every leaf. The step count is the tree's (`state["step"]`): a leaf
+that had no grad for some steps is bias-corrected with it, where torch.optim counts per tensor.
+The state is a dict of plain values and trees of tensors
 (`{"step": 3, "exp_avg": <tree>, "exp_avg_sq": <tree>}`), so `engine.checkpoint` saves it by leaf
 name: a state leaf whose key path ends with a param's name (`exp_avg.blocks.3.w_q`) lives where
 that param lives.
@@ -38,7 +47,10 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from ir.trace import key_name
+
 from ..errors import EngineError
+from . import optim_kernels
 
 __all__ = ["accumulate", "adamw", "clip_grad_norm", "local_leaves", "owned_leaves", "scale", "set_grads", "sgd"]
 
@@ -68,49 +80,61 @@ def _state_tree(state: dict | None, key: str, spec: pytree.TreeSpec, n: int) -> 
     return leaves
 
 
+def _leaf_namer(tree: Any) -> Callable[[int], str]:
+    """The key path name of flat leaf i (`blocks.3.w_q`), worked out only when an error needs it."""
+    return lambda i: key_name(pytree.tree_flatten_with_path(tree, is_leaf=_is_none)[0][i][0])
+
+
 @torch.no_grad()
 def sgd(params: Any, grads: Any, state: dict | None = None, *, lr: float, momentum: float = 0.0,
-        dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> tuple[Any, dict]:
-    """One SGD step (torch.optim.SGD's update): returns new params and state `{"step", "momentum"}`."""
+        dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+        fused: bool | None = None) -> tuple[Any, dict]:
+    """One SGD step (torch.optim.SGD's update): returns new params and state `{"step", "momentum"}`.
+
+    `fused`: None (default) steps contiguous float32 / float64 leaves with torch's fused kernel (equal to
+    SGD(fused=True)) and the rest with its foreach kernels (equal to SGD(foreach=True)); False foreach
+    for all; True fused for every contiguous leaf, raising for a leaf whose device and dtype have no
+    fused kernel here (bfloat16 / float16 on CPU)."""
     if nesterov and (momentum <= 0 or dampening != 0):
         raise EngineError(f"nesterov needs momentum > 0 and dampening 0 (got {momentum}, {dampening})")
     p_leaves, g_leaves, spec = _check_same(params, grads)
     bufs = _state_tree(state, "momentum", spec, len(p_leaves))
     new_p, new_b = list(p_leaves), list(bufs)
-    for i, (p, g, buf) in enumerate(zip(p_leaves, g_leaves, bufs)):
-        if p is None or g is None:
-            continue
-        d = g.add(p, alpha=weight_decay) if weight_decay != 0 else g
-        if momentum != 0:
-            buf = d.clone() if buf is None else buf.mul(momentum).add_(d, alpha=1 - dampening)
-            d = d.add(buf, alpha=momentum) if nesterov else buf
-            new_b[i] = buf
-        new_p[i] = p.add(d, alpha=-lr)
+    for group in optim_kernels.split(p_leaves, g_leaves, [bufs], fused=fused, opt="SGD", name=_leaf_namer(params)):
+        ix = group.index
+        ps, bs = optim_kernels.sgd([p_leaves[i] for i in ix], [g_leaves[i] for i in ix], [bufs[i] for i in ix],
+                                   fused=group.fused, lr=lr, momentum=momentum, dampening=dampening,
+                                   weight_decay=weight_decay, nesterov=nesterov)
+        for i, p, b in zip(ix, ps, bs):
+            new_p[i], new_b[i] = p, b
     step = (state or {}).get("step", 0) + 1
     return pytree.tree_unflatten(new_p, spec), {"step": step, "momentum": pytree.tree_unflatten(new_b, spec)}
 
 
 @torch.no_grad()
 def adamw(params: Any, grads: Any, state: dict | None = None, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-          eps: float = 1e-8, weight_decay: float = 0.01) -> tuple[Any, dict]:
-    """One AdamW step (torch.optim.AdamW's update): new params and state `{"step", "exp_avg", "exp_avg_sq"}`."""
+          eps: float = 1e-8, weight_decay: float = 0.01, fused: bool | None = None) -> tuple[Any, dict]:
+    """One AdamW step (torch.optim.AdamW's update): new params and state `{"step", "exp_avg", "exp_avg_sq"}`.
+
+    `fused` as in `sgd`. The fused and foreach paths round differently in float32, and on CUDA the fused
+    kernel computes the bias corrections in float32 for float32 leaves (about 1e-4 off in the first steps
+    when beta2 is near 1): fused=False gives torch.optim's default numbers."""
     beta1, beta2 = betas
     p_leaves, g_leaves, spec = _check_same(params, grads)
     m_leaves = _state_tree(state, "exp_avg", spec, len(p_leaves))
     v_leaves = _state_tree(state, "exp_avg_sq", spec, len(p_leaves))
     step = (state or {}).get("step", 0) + 1
-    step_size, bias2_sqrt = lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5  # torch's rounding
     new_p, new_m, new_v = list(p_leaves), list(m_leaves), list(v_leaves)
-    for i, (p, g, m, v) in enumerate(zip(p_leaves, g_leaves, m_leaves, v_leaves)):
-        if p is None or g is None:
-            continue
-        m = torch.zeros_like(p) if m is None else m
-        v = torch.zeros_like(p) if v is None else v
-        p = p.mul(1 - lr * weight_decay)
-        m = m.lerp(g, 1 - beta1)
-        v = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / bias2_sqrt).add_(eps)
-        new_p[i], new_m[i], new_v[i] = p.addcdiv(m, denom, value=-step_size), m, v
+    groups = optim_kernels.split(p_leaves, g_leaves, [m_leaves, v_leaves], fused=fused, opt="AdamW",
+                                 name=_leaf_namer(params))
+    for group in groups:
+        ix = group.index
+        ps, ms, vs = optim_kernels.adamw(
+            [p_leaves[i] for i in ix], [g_leaves[i] for i in ix], [m_leaves[i] for i in ix],
+            [v_leaves[i] for i in ix], fused=group.fused, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay)
+        for i, p, m, v in zip(ix, ps, ms, vs):
+            new_p[i], new_m[i], new_v[i] = p, m, v
     unflat = lambda xs: pytree.tree_unflatten(xs, spec)  # noqa: E731
     return unflat(new_p), {"step": step, "exp_avg": unflat(new_m), "exp_avg_sq": unflat(new_v)}
 
