@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from hypothesis import strategies as st
 
 import schedules
-from schedules import Table
+from schedules import ScheduleError, Table
 
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1")
 
@@ -28,3 +28,20 @@ def cases(draw: Any, names: tuple[str, ...] | None = None) -> tuple[str, int, in
 
 def build(name: str, num_stages: int, num_microbatches: int, options: dict[str, int]) -> Table:
     return schedules.get(name)(num_stages, num_microbatches, **options)
+
+
+def swap_neighbours(table: Table, swaps: list[tuple[int, int]], check: Callable[[Table], Any]) -> Table:
+    """``table`` with neighbouring actions of a row swapped wherever ``check`` still accepts the result
+    (``check_structure``: the order may deadlock; ``validate``: it may not)."""
+    rows = [list(row) for row in table.rows]
+    for rank, step in swaps:
+        row = rows[rank % len(rows)]
+        if len(row) < 2:
+            continue
+        at = step % (len(row) - 1)
+        row[at], row[at + 1] = row[at + 1], row[at]
+        try:
+            check(Table(table.num_stages, table.num_microbatches, table.stage_to_rank, rows))
+        except ScheduleError:
+            row[at], row[at + 1] = row[at + 1], row[at]
+    return Table(table.num_stages, table.num_microbatches, table.stage_to_rank, rows)

@@ -5,31 +5,13 @@ from __future__ import annotations
 from _reference_lower import reference_execute
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sched_cases import build, cases
+from sched_cases import build, cases, swap_neighbours
 
 import schedules
-from schedules import Costs, ScheduleError, Table
+from schedules import Costs, ScheduleError
 from schedules.execute import Timing, execute
 from schedules.index import TableIndex
 from schedules.validate import check_structure
-
-
-def _swapped(table: Table, swaps: list[tuple[int, int]]) -> Table:
-    """``table`` with neighbouring actions swapped wherever the structure stays valid (the
-    order may deadlock: that is what the run must find)."""
-    rows = [list(row) for row in table.rows]
-    for rank, step in swaps:
-        row = rows[rank % len(rows)]
-        if len(row) < 2:
-            continue
-        at = step % (len(row) - 1)
-        row[at], row[at + 1] = row[at + 1], row[at]
-        try:
-            check_structure(Table(table.num_stages, table.num_microbatches, table.stage_to_rank,
-                                  rows))
-        except ScheduleError:
-            row[at], row[at + 1] = row[at + 1], row[at]
-    return Table(table.num_stages, table.num_microbatches, table.stage_to_rank, rows)
 
 
 def _outcome(run: object, ix: TableIndex, duration: list[float],
@@ -46,7 +28,7 @@ def _outcome(run: object, ix: TableIndex, duration: list[float],
 def test_execute_equals_the_reference(case: tuple[str, int, int, dict[str, int]], lowered: bool,
                                       swaps: list[tuple[int, int]], data: st.DataObject) -> None:
     table = build(*case)
-    table = _swapped(schedules.lower(table) if lowered else table, swaps)
+    table = swap_neighbours(schedules.lower(table) if lowered else table, swaps, check_structure)
     n = table.num_stages
     times = st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]) | st.floats(0.0, 5.0),
                      min_size=n, max_size=n)

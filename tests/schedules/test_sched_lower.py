@@ -9,7 +9,7 @@ import pytest
 from _reference_lower import reference_lower
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sched_cases import build, cases
+from sched_cases import build, cases, swap_neighbours
 
 import schedules
 from schedules import Action, Costs, ScheduleError, Table
@@ -105,33 +105,13 @@ def test_lowering_equals_the_reference_algorithm(case: tuple[str, int, int, dict
     assert schedules.lower(table, costs=costs) == reference_lower(table, costs=costs)
 
 
-def _reordered(table: Table, swaps: list[tuple[int, int]]) -> Table:
-    """``table`` with neighbouring actions of a row swapped wherever the result stays valid."""
-    rows = [list(row) for row in table.rows]
-    for rank, step in swaps:
-        row = rows[rank % len(rows)]
-        if len(row) < 2:
-            continue
-        at = step % (len(row) - 1)
-        row[at], row[at + 1] = row[at + 1], row[at]
-        try:
-            schedules.validate(_with_rows(table, rows))
-        except ScheduleError:
-            row[at], row[at + 1] = row[at + 1], row[at]
-    return _with_rows(table, rows)
-
-
-def _with_rows(table: Table, rows: list[list[Action]]) -> Table:
-    return Table(table.num_stages, table.num_microbatches, table.stage_to_rank, rows)
-
-
 @settings(max_examples=60, deadline=None)
 @given(cases(), st.lists(st.tuples(st.integers(0, 7), st.integers(0, 300)), max_size=30),
        st.data())
 def test_lowering_irregular_orders_equals_the_reference(
     case: tuple[str, int, int, dict[str, int]], swaps: list[tuple[int, int]], data: st.DataObject
 ) -> None:
-    table = _reordered(build(*case), swaps)
+    table = swap_neighbours(build(*case), swaps, schedules.validate)
     costs = _costs(data, table.num_stages)
     lowered = schedules.lower(table, costs=costs)
     assert lowered == reference_lower(table, costs=costs)
