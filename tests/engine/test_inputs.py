@@ -1,7 +1,6 @@
 """A step's inputs: checked alone on each rank (no communication) and compared across ranks by fingerprints."""
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Sequence
 
 import pytest
@@ -11,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
+from tests.engine.ranks import on_threads
 from engine.execution.inprocess import build_steps
 from engine.execution.inputs import fingerprints
 from engine.execution.step import Step
@@ -36,21 +36,8 @@ def steps_for(world: int, dp: int = 1) -> tuple[Step, ...]:
 
 def on_ranks(steps: Sequence[Step], work: Callable[[int, Step], Any]) -> list[Any]:
     """`work(rank, step)` on every rank at once (threads over the steps' hub); an error is returned as text."""
-    out: list[Any] = [None] * len(steps)
-
-    def run(r: int) -> None:
-        try:
-            out[r] = work(r, steps[r])
-        except Exception as exc:  # noqa: BLE001 -- returned to the test
-            out[r] = f"{type(exc).__name__}: {exc}"
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(steps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out
+    out = on_threads(len(steps), lambda r: work(r, steps[r]), timeout=30)
+    return [f"{type(x).__name__}: {x}" if isinstance(x, Exception) else x for x in out]
 
 
 # -- fingerprints ------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """Misuse raises the engine's own errors with the numbers and the fix, never an assert or a hang."""
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import attrs
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 import engine
+from tests.engine.ranks import on_threads
 import ir
 import schedules
 from engine import PlanError, RuntimeMismatchError, SplitError
@@ -151,21 +151,8 @@ def verify_all(steps: list[Step]) -> list[BaseException | None]:
     """Every rank's `verify` at once, in threads sharing one hub (as ranks would over the network)."""
     hub = Hub(len(steps), timeout=30.0)
     mixed = [Step(s.planned, s.world, LocalTransport(hub, r), program=s.program) for r, s in enumerate(steps)]
-    errors: list[BaseException | None] = [None] * len(mixed)
-
-    def work(r: int) -> None:
-        try:
-            mixed[r].verify()
-        except BaseException as exc:  # noqa: BLE001 -- returned to the test
-            errors[r] = exc
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(mixed))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "verify hung"
-    return errors
+    out = on_threads(len(mixed), lambda r: mixed[r].verify(), timeout=60)
+    return [x if isinstance(x, BaseException) else None for x in out]
 
 
 @pytest.fixture(scope="module")
