@@ -262,24 +262,24 @@ def one_rank_short_batch(c: Ctx) -> str:
     return loss_text(loss)
 
 
-@case
-def one_rank_float64_param(c: Ctx) -> str:
+def _one_rank_param(c: Ctx, rank: int, leaf: str, change: Callable[[torch.Tensor], Any]) -> str:
+    """Only `rank` changes its param `leaf` after `step.shard`; every rank must refuse the step."""
     step = c.step("every")
     local = step.shard(c.params)
-    if c.rank == 1:
-        local["w3"] = local["w3"].double()
+    if c.rank == rank:
+        local[leaf] = change(local[leaf])
     loss, _ = step(local, c.x, c.y)
     return loss_text(loss)
+
+
+@case
+def one_rank_float64_param(c: Ctx) -> str:
+    return _one_rank_param(c, 1, "w3", lambda w: w.double())
 
 
 @case
 def one_rank_none_param(c: Ctx) -> str:
-    step = c.step("every")
-    local = step.shard(c.params)
-    if c.rank == 0:
-        local["w1"] = None
-    loss, _ = step(local, c.x, c.y)
-    return loss_text(loss)
+    return _one_rank_param(c, 0, "w1", lambda w: None)
 
 
 @case
