@@ -82,6 +82,7 @@ class Workshop:
         self.fn, self.params, self.batch, self.device, self.has_aux = fn, params, tuple(batch), device, has_aux
         self._graphs: dict[int, ir.Graph] = {}
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
+        self._alike: dict[tuple[Any, ...], ir.StageAD] = {}
 
     def graph(self, size: int) -> ir.Graph:
         """The graph of one microbatch of `size` rows, checked against the loss contract (`ir.check_loss`)."""
@@ -92,10 +93,16 @@ class Workshop:
         return self._graphs[size]
 
     def autodiff(self, size: int, stage: ir.Stage, recompute: bool = False) -> ir.StageAD:
-        """Stage autodiff of `stage` (a slice of `graph(size)`), made once per range and interface."""
+        """Stage autodiff of `stage` (a slice of `graph(size)`), made once per range and interface, and
+        shared by stages whose graphs print alike (the middle stages of a model of identical layers): a
+        stage's programs depend on its graph's structure alone, not on which leaves feed it."""
         key = (size, _signature(stage), bool(recompute))
         if key not in self._ads:
-            self._ads[key] = autodiff(stage, bool(recompute), device=self.device)
+            alike = (str(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
+                     stage.is_last, bool(recompute))
+            if alike not in self._alike:
+                self._alike[alike] = autodiff(stage, bool(recompute), device=self.device)
+            self._ads[key] = self._alike[alike]
         return self._ads[key]
 
     def stages(self, size: int, cuts: Sequence[int], recompute: Sequence[bool] = ()) -> tuple[StageInfo, ...]:

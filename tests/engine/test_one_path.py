@@ -86,3 +86,25 @@ def test_the_harness_the_inprocess_runner_and_a_step_run_the_programs_assemble_m
     engine.testing.assert_parallel_equivalent(passes.mlp_loss, params, x, y, schedule="1f1b", stages=2,
                                               microbatches=2)
     assert seen == [0, 1]
+
+
+def test_stages_that_print_alike_share_their_programs(monkeypatch) -> None:
+    """Four stages of one layer each: the two middle ones are one graph, differentiated once, and the
+    pipeline still computes torch.func.grad."""
+    import ir
+
+    calls: list[str] = []
+    real = ir.stage_autodiff
+    monkeypatch.setattr(ir, "stage_autodiff", lambda g, **kw: (calls.append(str(g)), real(g, **kw))[1])
+    params = {"layers": [torch.randn(8, 8, dtype=torch.float64) / 3 for _ in range(4)]}
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    graph = ir.trace(passes.mlp_loss, params, x[:2], y[:2])
+    cuts = [k for k, e in enumerate(graph.eqns) if e.op.startswith("aten.tanh")][:3]
+    calls.clear()
+    planned = search(passes.mlp_loss, params, x, y, world_size=4, cuts=[c + 1 for c in cuts], microbatches=4)
+    ads = [info.ad for info in planned.stages]
+    assert ads[1] is ads[2] and len({id(a) for a in ads}) == 3, [len(s.stage.graph.eqns) for s in planned.stages]
+    assert len(calls) == 3  # stage 0 prints like the middle ones but its input is batch (constant): its own
+    result = run_steps(build_steps(passes.mlp_loss, params, (x, y), planned), params, (x, y))
+    ref = torch.func.grad(passes.mlp_loss)(params, x, y)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=0) for a, b in zip(result.grads["layers"], ref["layers"]))

@@ -58,7 +58,7 @@ def counting() -> Counter:
     c = Counter()
     c.wrap(ir, "trace", "trace")
     c.wrap(ir, "stage_autodiff", "stage_autodiff",
-           key=lambda g, **kw: (str(g), bool(kw.get("recompute", False))))
+           key=lambda g, **kw: (str(g), tuple(kw.get("constant", ())), bool(kw.get("recompute", False))))
     c.wrap(schedules, "get", "registry_get")
     c.wrap(schedules, "simulate", "simulate")
     c.wrap(schedules, "lower", "lower")
