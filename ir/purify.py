@@ -10,6 +10,7 @@ from .core import Eqn, Graph, Var
 from .errors import TraceError
 from .trace_errors import ImpureError
 
+
 @functools.lru_cache(maxsize=None)
 def resolve(op: str) -> torch._ops.OpOverload:
     """`aten.add.Tensor` -> torch.ops.aten.add.Tensor."""

@@ -13,8 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import TraceError
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_IR_DIR = os.path.dirname(__file__)
+# frames that are never the user's: torch's, the IR's and the engine's (engine.functionalize's wrapper)
+_NOT_USER = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), os.path.dirname(__file__),
+                                               os.path.join(os.path.dirname(os.path.dirname(__file__)), "engine")))
 
 RNG = ("{op} draws from PyTorch's global random state{where}\n"
        "Dropout, DropPath (stochastic depth), torch.rand* and bernoulli_ all do, so the graph would not be a "
@@ -72,10 +73,10 @@ class ImpureError(TraceError):
 
 
 def frame_line(frames: Sequence[traceback.FrameSummary], *, libraries: bool = False) -> str:
-    """`file:line in function: code` of the innermost frame outside torch and ir (and, unless
+    """`file:line in function: code` of the innermost frame outside torch and fnpipe (and, unless
     `libraries`, outside site-packages), or "" when there is none."""
     for fr in reversed(frames):
-        if fr.filename.startswith((_TORCH_DIR, _IR_DIR)) or (not libraries and "site-packages" in fr.filename):
+        if fr.filename.startswith(_NOT_USER) or (not libraries and "site-packages" in fr.filename):
             continue
         return f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
     return ""
