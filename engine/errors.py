@@ -1,6 +1,11 @@
 """Exceptions of the engine: each names the numbers and the fix."""
 from __future__ import annotations
 
+from typing import Any
+
+from ir.errors import TraceError
+from ir.trace_errors import not_a_function
+
 
 class EngineError(ValueError):
     """Base class of the engine's user-facing errors."""
@@ -29,3 +34,15 @@ class CommTimeoutError(EngineError):
 
 class CheckpointError(EngineError):
     """A checkpoint is incomplete, damaged or hostile, or does not match the tree or plan it is loaded into."""
+
+
+class ModuleError(EngineError, TraceError):
+    """The module cannot be a pure function as it stands (it mutates buffers or draws random numbers),
+    or a module was given where a pure function is expected."""
+
+
+def require_function(fn: Any, entry: str) -> None:
+    """Refuse an `nn.Module` where a pure loss function is expected, pointing at engine.functionalize."""
+    problem = not_a_function(fn, entry)
+    if problem:
+        raise ModuleError(problem)

@@ -14,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-from .errors import PlanError
+from .errors import PlanError, require_function
 from .execution import launch
 from .execution.executor import COMPILERS, Hook, check_compiler
 from .execution.inputs import check_mode
@@ -101,6 +101,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     compile time) or compiled by torch.compile's inductor ("inductor": fused kernels, a compile per
     stage program at the first step).
     """
+    require_function(loss_fn, "engine.parallelize")
     if compute_dtype is not None:
         loss_fn = mixed_precision(loss_fn, compute_dtype)
     _check_options(compiler, check_inputs)

@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .compile import compile_graph
 from .core import Eqn, Graph, Var
+from .device import available, device_type, retarget
 from .fx_import import FxImporter
 from .purify import is_view, remove_mutation, resolve
 from .slicing import slice_graph
@@ -61,6 +62,19 @@ def _differentiable(v: Var) -> bool:
 
 
 def _trace_joint(g: Graph, diff_in: list[int], diff_out: list[int], device: str | None) -> Graph:
+    """The joint graph, traced on `device` (default: the graph's). Autograd needs the device's runtime
+    even on fake tensors (a CPU-only torch aborts the process on a cuda one), so for a device this
+    machine lacks the joint is traced on the CPU and re-targeted: the same program, with CPU kernels
+    where the device would choose its own (good for planning; running needs a trace on the device)."""
+    target = device or (g.inputs[0].aval.device if g.inputs else "cpu")
+    kind = device_type(target)
+    if available(target):
+        return _trace_joint_on(g, diff_in, diff_out, device)
+    here = retarget(g, kind, "cpu")
+    return retarget(_trace_joint_on(here, diff_in, diff_out, "cpu"), "cpu", target)
+
+
+def _trace_joint_on(g: Graph, diff_in: list[int], diff_out: list[int], device: str | None) -> Graph:
     run = compile_graph(g)
     n_in = len(g.inputs)
 

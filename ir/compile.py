@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from .core import Graph, Literal, Var
+from .device import require_runnable
 from .printer import Namer
 from .purify import resolve
 
@@ -84,9 +85,11 @@ def to_fx(g: Graph, accumulate: tuple[int, ...] = ()) -> torch.fx.GraphModule:
 
 def compile_graph(g: Graph, accumulate: tuple[int, ...] = ()) -> Callable[..., tuple[Any, ...]]:
     """The compiled callable for `g` (cached per graph and `accumulate`): `fn(*flat_inputs) -> tuple of
-    outputs`; with `accumulate` (see `to_fx`), `fn(*flat_inputs, *accumulators)`."""
+    outputs`; with `accumulate` (see `to_fx`), `fn(*flat_inputs, *accumulators)`. IRError for a graph
+    traced for a device this machine lacks."""
     per_graph = _CACHE.setdefault(g, {})
     fn = per_graph.get(accumulate)
     if fn is None:
+        require_runnable(g)
         fn = per_graph[accumulate] = to_fx(g, accumulate)
     return fn

@@ -7,6 +7,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .core import Graph, Literal, Var
+from .device import require_runnable
 from .errors import IRError
 from .purify import resolve
 
@@ -25,6 +26,7 @@ def interpret(g: Graph, flat_args: Sequence[Any]) -> list[Any]:
     """Run `g` on flat inputs one equation at a time; each value is dropped after its last use."""
     if len(flat_args) != len(g.inputs):
         raise IRError(f"graph takes {len(g.inputs)} inputs, got {len(flat_args)}")
+    require_runnable(g)
     env: dict[Var, Any] = dict(zip(g.inputs, flat_args))
     last = g.last_use()
     for i, e in enumerate(g.eqns):

@@ -8,11 +8,7 @@ import torch
 
 from .core import Eqn, Graph, Var
 from .errors import TraceError
-
-RNG_FIX = ("{op} draws from PyTorch's global random state, so the graph would not be a pure function "
-           "(every microbatch and rank would see different masks). Pass randomness in explicitly: "
-           "ir.random.dropout(x, p, key) with `key` an int64 tensor in the batch, or make it eval-only "
-           "(F.dropout(..., training=False)).{where}")
+from .trace_errors import ImpureError
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,6 +40,10 @@ def _functional_variant(op: torch._ops.OpOverload, where: str) -> str:
 
 def _where(e: Eqn) -> str:
     return f" (at {e.source})" if e.source else ""
+
+
+def _seeded_op(op: torch._ops.OpOverload) -> bool:
+    return torch.Tag.nondeterministic_seeded in op.tags
 
 
 def _alias_roots(g: Graph) -> dict[Var, Var]:
@@ -78,13 +78,14 @@ def remove_mutation(g: Graph) -> Graph:
         if not pos:
             eqns.append(e)
             continue
+        if _seeded_op(op):  # `new_empty(...).bernoulli_(p)` (DropPath) is RNG first, in-place second
+            raise ImpureError("rng", e.op, at=e.source)
         target = e.args[pos[0]] if pos[0] < len(e.args) else None
         if len(pos) != 1 or not isinstance(target, Var):
             raise TraceError(f"op {e.op} mutates {len(pos)} arguments{_where(e)}; write it out-of-place")
         base = root.get(target, target)
         if base in names:
-            raise TraceError(f"{e.op} mutates input '{names[base]}'{_where(e)}; the loss function must be pure: "
-                             "compute a new tensor instead of writing into params or the batch")
+            raise ImpureError("write", e.op, names[base], e.source)
         _check_no_alias_use(g, i, target, root, e)
         eqns.append(attrs.evolve(e, op=_functional_variant(op, _where(e))))
         rename[target] = e.outputs[0]
@@ -106,7 +107,7 @@ def _seeded(e: Eqn) -> bool:
     """Whether the op really draws random numbers (attention only does with dropout_p > 0)."""
     if e.op == "aten.scaled_dot_product_attention.default":
         return _arg(e, 4, "dropout_p", 0.0) != 0.0
-    return torch.Tag.nondeterministic_seeded in resolve(e.op).tags
+    return _seeded_op(resolve(e.op))
 
 
 def reject_rng(g: Graph) -> Graph:
@@ -119,7 +120,7 @@ def reject_rng(g: Graph) -> Graph:
             rename[e.outputs[0]] = e.inputs[0]
             continue
         if _seeded(e):
-            raise TraceError(RNG_FIX.format(op=e.op, where=_where(e)))
+            raise ImpureError("rng", e.op, at=e.source)
         eqns.append(e)
     outputs = tuple(rename.get(v, v) if isinstance(v, Var) else v for v in g.outputs)
     return attrs.evolve(g, eqns=tuple(eqns), outputs=outputs)

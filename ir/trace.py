@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
+import logging
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import torch
@@ -17,12 +17,10 @@ from .core import Graph
 from .errors import TraceError
 from .fx_import import FxImporter
 from .purify import reject_rng, remove_mutation
+from .trace_errors import ImpureError, explain, frame_line, locate, not_a_function
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_IR_DIR = os.path.dirname(__file__)
-CONTROL_FLOW_FIX = ("fnpipe traces with fake tensors (shapes only, no data), so Python control flow on "
-                    "tensor values (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot be traced: use tensor "
-                    "ops such as torch.where, or compute the Python value outside the loss function.")
+# torch logs every failing fake op with a traceback of its own; the TraceError says what it means
+_TORCH_LOGGERS = ("torch._subclasses.fake_tensor",)
 
 
 @attrs.frozen
@@ -75,10 +73,20 @@ def _fake_leaf(x: Any, mode: FakeTensorMode, device: str | None, name: str) -> F
 
 
 def _user_line(exc: BaseException) -> str:
-    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
-        if not fr.filename.startswith((_TORCH_DIR, _IR_DIR)) and "site-packages" not in fr.filename:
-            return f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
-    return "unknown location"
+    return frame_line(traceback.extract_tb(exc.__traceback__))
+
+
+@contextlib.contextmanager
+def _quiet(names: Sequence[str]) -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _make_fx(flat_fn: Callable, leaves: list[FakeTensor]) -> torch.fx.GraphModule:
@@ -95,6 +103,9 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
     leaf's own, with meta read as cpu) is the device the graph will run on, so its ops and factory
     calls target it. Attention stays one `scaled_dot_product_attention` op.
     """
+    problem = not_a_function(fn, "ir.trace")
+    if problem:
+        raise TraceError(problem)
     device = str(device) if device is not None else None
     flat, in_tree = pytree.tree_flatten((params, *batch))
     names = leaf_names(fn, params, batch)
@@ -111,14 +122,18 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
 
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_quiet(_TORCH_LOGGERS))
             stack.enter_context(mode)
             gm = _make_fx(flat_fn, leaves)
     except TraceError:
         raise
-    except Exception as exc:  # torch raises many types; all mean "not traceable as written"
-        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)}: {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}\n  at {_user_line(exc)}\n"
-                         f"{CONTROL_FLOW_FIX}") from exc
+    except Exception as exc:  # torch raises many types; explain() tells the causes apart
+        raise TraceError(explain(getattr(fn, "__name__", repr(fn)), exc, _user_line(exc))) from exc
     imp = FxImporter(gm).run()
     g = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, tuple(names), num_params, in_tree, out_tree[-1])
-    return reject_rng(remove_mutation(g))
+    try:
+        return reject_rng(remove_mutation(g))
+    except ImpureError as err:  # run the function once more to find the line that drew or wrote
+        with _quiet(_TORCH_LOGGERS), mode:
+            at = locate(err.kind, lambda: flat_fn(*leaves), leaves)
+        raise err.located(at) from None

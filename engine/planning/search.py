@@ -15,12 +15,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-import torch
-
 import ir
 import schedules
 
-from ..errors import PlanError, SplitError
+from ..errors import PlanError, SplitError, require_function
 from ..progress import track
 from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
 from .calibration import Calibration
@@ -232,6 +230,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them."""
+    require_function(fn, "engine.plan")
     profile = get_device(device)
     model = CostModel(profile, get_link(link, profile), calibration)
     build = build or schedule_builder(schedule)
@@ -245,8 +244,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
         stages = len(cuts) + 1
     v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
     candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
-    trace_device = "cuda" if profile.kind == "cuda" and torch.cuda.is_available() else "cpu"
-    workshop = workshop or Workshop(fn, params, example_batch, device=trace_device, has_aux=has_aux)
+    # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
+    workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
     planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
                          limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
                          min_blocks=max(c.num_stages for c in candidates), recompute=recompute)

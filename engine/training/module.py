@@ -43,9 +43,7 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 
-import ir
-
-from ..errors import EngineError
+from ..errors import ModuleError
 
 __all__ = ["ModuleError", "check_module", "flat_names", "functionalize", "load_into"]
 
@@ -54,10 +52,6 @@ BN_FIX = ("put the BatchNorm layers in eval mode (model.eval() or bn.eval()), or
           "differ from the full batch's")
 DROPOUT_FIX = ("use p=0 or eval mode, or ir.random.dropout(x, p, key) with `key` an int64 tensor in the batch: "
                "PyTorch's dropout reads the global random state, which a pipelined pure function cannot")
-
-
-class ModuleError(EngineError, ir.TraceError):
-    """The module cannot be a pure function as it stands (it mutates buffers or draws random numbers)."""
 
 
 def functionalize(module: nn.Module, loss: Callable[..., torch.Tensor] | None = None, *,

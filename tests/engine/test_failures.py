@@ -21,8 +21,8 @@ pytestmark = pytest.mark.mpi
 DEADLINE_S = 60.0  # the acceptance bound: survivors are gone this long after the failure
 TIMEOUT_S = 10.0   # parallelize(timeout=...) in the script
 # what a survivor's last words must say: its rank, what it waited on, and who to blame
-SURVIVOR = re.compile(r"CommTimeoutError: rank (\d+): (.+?) failed \(timeout 10 s\): "
-                      r"(?:rank (\d+)|one of ranks \[[\d, ]+\]) died or hangs; check its log")
+SURVIVOR = re.compile(r"CommTimeoutError: rank (\d+): (.+?) failed after [\d.]+ s \(timeout 10 s\): "
+                      r"(?:rank (\d+)|one of ranks \[[\d, ]+\]) died or hangs; check (?:its log|their logs)")
 
 
 class Job:

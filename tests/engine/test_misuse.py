@@ -1,6 +1,8 @@
 """Misuse raises the engine's own errors with the numbers and the fix, never an assert or a hang."""
 from __future__ import annotations
 
+import datetime
+import sys
 from typing import Any
 
 import attrs
@@ -120,7 +122,21 @@ def test_data_dependent_control_flow_cannot_be_traced() -> None:
     with pytest.raises(ir.TraceError) as caught:
         engine.parallelize(branchy, PARAMS, *BATCH, microbatches=4)
     msg = str(caught.value)
-    assert "cannot trace branchy" in msg and "control flow on tensor values" in msg and "torch.where" in msg
+    assert "cannot trace branchy: Python reads a tensor's value" in msg and "torch.where" in msg
+    assert "return loss if loss > 1 else 2 * loss" in msg  # the line
+
+
+@pytest.mark.parametrize("entry", ["parallelize", "plan"])
+def test_a_module_for_a_function_points_to_functionalize(entry: str) -> None:
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(engine.ModuleError) as caught:
+        getattr(engine, entry)(model, PARAMS, *BATCH, microbatches=4)
+    msg = str(caught.value)
+    assert msg.startswith(f"engine.{entry} takes a pure function fn(params, *batch) -> loss and its params, "
+                          "not an nn.Module (Linear)")
+    assert "fn, variables = engine.functionalize(model, loss=F.cross_entropy)" in msg
+    assert f"engine.{entry}(fn, variables, x, y, ...)" in msg
+    assert "control flow" not in msg and "tensor's value" not in msg
 
 
 @pytest.mark.parametrize("leaf,bad,got", [
@@ -194,3 +210,13 @@ def test_ranks_whose_transfers_do_not_meet_refuse_to_run(two_plans) -> None:
     edited = attrs.evolve(odd.program, instrs=tuple(ins for k, ins in enumerate(odd.program.instrs) if k != comms[0]))
     errors = verify_all([Step(odd.planned, odd.world, odd.transport, program=edited), ones[1]])
     assert all(isinstance(e, RuntimeMismatchError) and "does not receive" in str(e) for e in errors), errors
+
+
+def test_mpirun_without_mpi4py_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MPI is an extra: a job started by mpirun in an environment without mpi4py is told how to get it."""
+    from engine.execution import launch
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # `import mpi4py` raises ImportError
+    with pytest.raises(ImportError, match=r"started by mpirun .* pip install 'fnpipe\[mpi\]'.* or launch with "
+                                          r"torchrun instead"):
+        launch._init_from_mpi(datetime.timedelta(seconds=5))

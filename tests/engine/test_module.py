@@ -126,6 +126,25 @@ class Counter(nn.Module):
         return self.lin(x).pow(2).mean()
 
 
+class DropPath(nn.Module):
+    """timm's stochastic depth in train mode: a mask from the global RNG (`bernoulli_` on a new tensor)."""
+
+    def forward(self, x):
+        mask = x.new_empty((x.shape[0], 1)).bernoulli_(0.9)
+        return x * mask / 0.9
+
+
+def test_drop_path_in_train_mode_is_refused_for_its_rng_at_the_modules_line():
+    fn, variables = functionalize(nn.Sequential(nn.Linear(4, 4), DropPath()), loss=F.mse_loss)
+    with pytest.raises(ir.TraceError) as caught:
+        ir.trace(fn, variables, torch.randn(8, 4), torch.randn(8, 4))
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "aten.bernoulli_.float draws from PyTorch's global random state"
+    assert lines[1].endswith("in forward: mask = x.new_empty((x.shape[0], 1)).bernoulli_(0.9)")  # not engine's
+    assert "test_module.py" in lines[1] and "in-place" not in str(caught.value)
+    assert lines[-1].startswith("Fix: pass the randomness in") and "model.eval()" in lines[-1]
+
+
 def test_buffer_mutation_is_refused_when_traced_and_when_called():
     fn, variables = functionalize(Counter())  # module returns its loss
     with pytest.raises(ModuleError, match=r"Counter wrote into buffer\(s\) \['seen'\] in place"):

@@ -97,14 +97,25 @@ def test_an_error_on_one_rank_reaches_the_others_at_once() -> None:
 
 
 def test_a_distributed_failure_names_the_rank_and_what_was_awaited() -> None:
-    """The message a survivor prints (tests/engine/test_failures.py sees it end to end)."""
+    """The message a survivor prints (tests/engine/test_failures.py sees it end to end): which rank,
+    which wait, how long, who to look at and what to check; the backend's text only in the cause."""
     t = DistTransport.__new__(DistTransport)  # only the message: no process group needed
     t.rank, t.timeout = 2, 10.0
-    one = t._failure("receiving b4 (recv from rank 1)", RuntimeError("Connection closed by peer\nmore"), (1,))
-    assert str(one) == ("rank 2: receiving b4 (recv from rank 1) failed (timeout 10 s): rank 1 died or hangs; "
-                        "check its log. Connection closed by peer")
-    many = t._failure("summing (all-reduce over ranks [0, 1, 2, 3])", RuntimeError("Timed out"), (0, 1, 3))
-    assert "one of ranks [0, 1, 3] died or hangs" in str(many)
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\nmore")
+    one = t._failure("receiving b4 (recv from rank 1)", gloo, (1,), 0.04)
+    assert str(one) == (
+        "rank 2: receiving b4 (recv from rank 1) failed after 0.0 s (timeout 10 s): rank 1 died or hangs; check its "
+        "log for the error that stopped it (the connection closed: it exited, crashed or was killed, e.g. out of "
+        "memory). If every rank is alive, check that all run the same script with the same inputs and options, "
+        "and that one step's work fits in 10 s (parallelize(timeout=...)). The transport's own message is the "
+        "chained cause.")
+    slow = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms")
+    many = t._failure("summing (all-reduce over ranks [0, 1, 2, 3])", slow, (0, 1, 3), 10.02)
+    assert "summing (all-reduce over ranks [0, 1, 2, 3]) failed after 10.0 s (timeout 10 s)" in str(many)
+    assert "one of ranks [0, 1, 3] died or hangs; check their logs" in str(many)
+    assert "no answer within the timeout" in str(many)
+    for err in (one, many):
+        assert "gloo" not in str(err) and ".cc" not in str(err) and "third_party" not in str(err)
 
 
 def test_a_non_contiguous_grad_handed_over_on_the_same_rank_is_made_contiguous():

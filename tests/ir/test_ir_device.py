@@ -1,5 +1,11 @@
-"""Tracing for a device this machine lacks: attention stays one fused-able op, and nothing says `meta`."""
+"""Tracing for a device this machine lacks: attention stays one op, nothing says `meta`, and all but running works."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -7,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 import ir
 
+ROOT = Path(__file__).resolve().parents[2]
 
 def attention_block(p, batch):
     x, key = batch["x"], batch["key"]
@@ -58,3 +65,61 @@ def test_meta_and_spec_leaves_trace_for_cpu_and_evaluate_like_eager():
     got = ir.evaluate(graph, params, batch)
     assert pytree.tree_structure(got) == pytree.tree_structure(expected)
     assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected)))
+
+
+PLAN_FOR_CUDA = '''
+import json, torch, torch.nn.functional as F
+import engine, ir
+
+def loss(p, x, y):                                  # four attention blocks, a factory op on x's device
+    b, s, d = x.shape
+    heads = lambda t: t.reshape(b, s, 2, d // 2).transpose(1, 2)
+    for blk in p["blocks"]:
+        q, k, v = (heads(x @ blk[n]) for n in ("w_q", "w_k", "w_v"))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = F.layer_norm(x + a, (d,)) + torch.arange(d, device=x.device) / d
+    return F.mse_loss(x, y)
+
+meta = lambda *shape: torch.empty(shape, device="meta")
+params = {"blocks": [{n: meta(8, 8) for n in ("w_q", "w_k", "w_v")} for _ in range(4)]}
+batch = meta(8, 6, 8), meta(8, 6, 8)
+graph = ir.trace(loss, params, *batch, device="cuda")
+ir.check(graph)
+costs = ir.format_costs(graph)
+stages = ir.split(graph, cuts=[len(graph.eqns) // 3, 2 * len(graph.eqns) // 3])
+devices, ops = set(), set()
+for st in stages:
+    for recompute in (False, True):
+        ad = ir.stage_autodiff(st.graph, recompute=recompute)
+        for part in (ad.forward, ad.backward_input, ad.backward_weight, ad.backward):
+            ir.check(part.graph)
+            devices |= {v.aval.device for v in part.graph.defined()}
+            ops |= {e.op for e in part.graph.eqns}
+try:
+    ir.evaluate(graph, params, *batch)
+    ran = "ran"
+except ir.IRError as err:
+    ran = str(err)
+plan = engine.plan(loss, params, *batch, world_size=4, device="h100")
+print(json.dumps({"cuda": torch.cuda.is_available(), "devices": sorted(devices), "costs": costs.splitlines()[-1],
+                  "attention": sorted(op for op in ops if "attention" in op), "ran": ran,
+                  "plan": [plan.device, len(plan.stages), plan.world_size]}))
+'''
+
+
+def test_a_graph_for_cuda_is_checked_costed_split_differentiated_and_planned_on_a_cpu_only_machine():
+    """In a subprocess with no CUDA, so that an abort inside torch (which autograd on a fake cuda tensor
+    does on a CPU-only build) fails this test instead of killing pytest."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", PLAN_FOR_CUDA], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["cuda"] is False
+    assert got["devices"] == ["cuda:0"]  # every value of every stage program is labelled for the GPU
+    assert got["costs"].split()[0] == "all" and float(got["costs"].split()[1]) > 0
+    assert got["attention"] == ["aten._scaled_dot_product_flash_attention_for_cpu.default",
+                                "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"]
+    assert got["ran"].startswith("this graph was traced for cuda, which this machine does not have")
+    assert "trace again for this machine" in got["ran"]
+    assert got["plan"] == ["h100", 4, 4]

@@ -1,8 +1,10 @@
-"""ir.TraceError for functions that are not pure tensor programs; in-place ops on fresh values are fine."""
+"""ir.TraceError: one message per cause, with that cause's fix only; in-place ops on fresh values are fine."""
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -38,8 +40,9 @@ def branchy(p, x, y):
 
 def test_data_dependent_control_flow_names_the_source_line():
     msg = _trace_error(branchy)
+    assert msg.startswith("cannot trace branchy: Python reads a tensor's value (aten._local_scalar_dense.default)")
     assert f"{HERE}:{_line_of(branchy, 'if h.sum()')} in branchy: if h.sum() > 0:" in msg
-    assert "torch.where" in msg  # the fix
+    assert msg.splitlines()[-1].startswith("Fix: keep the choice in tensor ops (torch.where(cond, a, b)")
 
 
 def uses_item(p, x, y):
@@ -47,10 +50,59 @@ def uses_item(p, x, y):
     return F.mse_loss(x @ p["w"] / scale, y)
 
 
-def test_item_names_the_source_line():
-    msg = _trace_error(uses_item)
-    assert f"{HERE}:{_line_of(uses_item, '.item()')} in uses_item: scale = x.abs().max().item()" in msg
-    assert ".item()" in msg.splitlines()[-1]
+def uses_tolist(p, x, y):
+    return F.mse_loss(x @ p["w"] * x[0, 0].tolist(), y)
+
+
+def asserts_on_values(p, x, y):
+    assert torch.isfinite(x).all()
+    return F.mse_loss(x @ p["w"], y)
+
+
+@pytest.mark.parametrize("fn, text", [(uses_item, "scale = x.abs().max().item()"),
+                                      (uses_tolist, 'return F.mse_loss(x @ p["w"] * x[0, 0].tolist(), y)'),
+                                      (asserts_on_values, "assert torch.isfinite(x).all()")])
+def test_reading_values_names_the_source_line(fn, text):
+    msg = _trace_error(fn)
+    assert f"{HERE}:{_line_of(fn, text)} in {fn.__name__}: {text}" in msg
+    assert ".item()" in msg.splitlines()[-1] and "torch.where" in msg.splitlines()[-1]
+
+
+def boolean_mask(p, x, y):
+    h = x @ p["w"]
+    return h[h > 0].mean()
+
+
+def uses_unique(p, x, y):
+    return torch.unique(x @ p["w"]).float().mean()
+
+
+@pytest.mark.parametrize("fn, op, text", [(boolean_mask, "aten.nonzero.default", "return h[h > 0].mean()"),
+                                          (uses_unique, "aten._unique2.default", "torch.unique(x @ p")])
+def test_data_dependent_shapes_say_so_and_how_to_keep_shapes_fixed(fn, op, text):
+    msg = _trace_error(fn)
+    assert msg.startswith(f"cannot trace {fn.__name__}: {op} makes a tensor whose shape depends on the data")
+    assert f"{HERE}:{_line_of(fn, text)} in {fn.__name__}:" in msg
+    assert msg.splitlines()[-1].startswith("Fix: keep shapes fixed: weight by the mask instead of selecting")
+    assert "torch.where(cond" not in msg and "global random" not in msg
+
+
+def shape_bug(p, x, y):
+    return F.mse_loss(x @ p["w"] @ torch.ones(3, 3), y)
+
+
+def test_an_error_in_the_function_itself_is_named_as_such():
+    msg = _trace_error(shape_bug)
+    assert msg.startswith("cannot trace shape_bug: it raised RuntimeError: a and b must have same reduction dim")
+    assert f"{HERE}:{_line_of(shape_bug, 'torch.ones(3, 3)')} in shape_bug:" in msg
+    assert "error in the function itself" in msg and "tensor's value" not in msg and "torch.where" not in msg
+
+
+def test_a_module_is_not_a_function():
+    msg = _trace_error(torch.nn.Linear(4, 4))
+    assert msg.startswith("ir.trace takes a pure function fn(params, *batch) -> loss and its params, not an "
+                          "nn.Module (Linear)")
+    assert "fn, variables = engine.functionalize(model, loss=F.cross_entropy)" in msg
 
 
 def mutates_param(p, x, y):
@@ -68,10 +120,14 @@ def mutates_param_view(p, x, y):
     return F.mse_loss(x @ p["w"], y)
 
 
-@pytest.mark.parametrize("fn, name", [(mutates_param, "w"), (mutates_batch, "x"), (mutates_param_view, "w")])
-def test_mutating_an_input(fn, name):
+@pytest.mark.parametrize("fn, name, text", [(mutates_param, "w", 'p["w"].add_(1)'), (mutates_batch, "x", "x.mul_(2)"),
+                                           (mutates_param_view, "w", 'p["w"][0].zero_()')])
+def test_mutating_an_input(fn, name, text):
     msg = _trace_error(fn)
-    assert f"mutates input '{name}'" in msg and "must be pure" in msg
+    assert msg.splitlines()[0].endswith(f"mutates input '{name}' in place")
+    assert msg.splitlines()[1].endswith(f"{HERE}:{_line_of(fn, text)} in {fn.__name__}: {text}")
+    assert "must be pure" in msg and msg.splitlines()[-1].startswith("Fix: compute a new tensor")
+    assert "random" not in msg and "torch.where(cond" not in msg
 
 
 def rng_dropout(p, x, y):
@@ -87,11 +143,62 @@ def rng_sdpa(p, x, y):
     return F.mse_loss(F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).reshape(8, 4), y)
 
 
-@pytest.mark.parametrize("fn, op", [(rng_dropout, "aten.dropout.default"), (rng_randn, "aten.randn"),
-                                    (rng_sdpa, "aten.scaled_dot_product_attention.default")])
-def test_global_rng_names_the_pure_alternative(fn, op):
+def drop_path(x, drop_prob=0.1):  # timm.layers.drop_path, as written there
+    keep_prob = 1 - drop_prob
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    random_tensor = x.new_empty(shape).bernoulli_(keep_prob)
+    random_tensor.div_(keep_prob)
+    return x * random_tensor
+
+
+class DropPath(torch.nn.Module):
+    def forward(self, x):
+        return drop_path(x, 0.1)
+
+
+def rng_drop_path(p, x, y):
+    return F.mse_loss(DropPath()(x @ p["w"]), y)
+
+
+def rng_rand_mask(p, x, y):
+    h = x @ p["w"]
+    return F.mse_loss(h * (torch.rand(h.shape[0], 1) > 0.1), y)
+
+
+@pytest.mark.parametrize("fn, op, text", [
+    (rng_dropout, "aten.dropout.default", "F.dropout(x @ p"), (rng_randn, "aten.randn", "torch.randn_like(x)"),
+    (rng_sdpa, "aten.scaled_dot_product_attention.default", "dropout_p=0.5"),
+    (rng_drop_path, "aten.bernoulli_.float", "random_tensor = x.new_empty(shape).bernoulli_(keep_prob)"),
+    (rng_rand_mask, "aten.rand.default", "torch.rand(h.shape[0], 1)")])
+def test_global_rng_names_the_pure_alternative(fn, op, text):
+    """DropPath's `new_empty(...).bernoulli_(p)` is refused for its RNG, not as an in-place op."""
     msg = _trace_error(fn)
     assert msg.startswith(op) and "global random state" in msg and "ir.random.dropout(x, p, key)" in msg
+    assert f"{HERE}:{_line_of(drop_path if fn is rng_drop_path else fn, text)}" in msg.splitlines()[1]
+    assert "in-place" not in msg and "torch.where(cond" not in msg and "drop_path_rate=0" in msg
+
+
+def test_rng_in_a_library_names_its_line_and_the_callers(tmp_path, monkeypatch):
+    """timm's DropPath in train mode: the library's line, then the line of the loss that called it."""
+    lib = tmp_path / "site-packages"
+    lib.mkdir()
+    (lib / "droplib.py").write_text("import torch\n" + inspect.getsource(drop_path) + "\n\n" + inspect.getsource(DropPath))
+    monkeypatch.syspath_prepend(str(lib))
+    monkeypatch.delitem(sys.modules, "droplib", raising=False)
+    droplib = importlib.import_module("droplib")
+    block = droplib.DropPath()
+
+    def loss(p, x, y):
+        return F.mse_loss(block(x @ p["w"]), y)
+
+    lines = _trace_error(loss).splitlines()
+    assert lines[1] == f"  at {lib / 'droplib.py'}:5 in drop_path: random_tensor = x.new_empty(shape).bernoulli_(keep_prob)"
+    assert lines[2] == f"  called from {__file__}:{_line_of(loss, 'block(x')} in loss: return F.mse_loss(block(x @ p[\"w\"]), y)"
+
+
+def test_every_cause_has_its_own_fix():
+    fixes = {_trace_error(fn).splitlines()[-1] for fn in (branchy, boolean_mask, shape_bug, mutates_param, rng_drop_path)}
+    assert len(fixes) == 5 and all(f.startswith("Fix: ") for f in fixes)
 
 
 def eval_dropout(p, x, y):
