@@ -106,16 +106,13 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         loss_fn = mixed_precision(loss_fn, compute_dtype)
     _check_options(compiler, check_inputs)
     build = schedule_builder(schedule)
-    joining = launch.Joining(timeout)  # the rendezvous runs in the background while this rank plans
-    me = joining.expected
-    assert me is not None
-    workshop = Workshop(loss_fn, params, example_batch, device=me.device_type, has_aux=has_aux)
-    planned = _planned(joining, workshop, loss_fn, params, example_batch, schedule=schedule, build=build,
+    world = launch.init(timeout)
+    workshop = Workshop(loss_fn, params, example_batch, device=world.device.type, has_aux=has_aux)
+    planned = _planned(world, workshop, loss_fn, params, example_batch, schedule=schedule, build=build,
                        plan_cache=plan_cache, calibrate=calibrate, options=dict(
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
-                           device=me.device_type, stages_per_rank=stages_per_rank, cuts=cuts,
+                           device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
                            recompute=recompute, has_aux=has_aux))
-    world = joining.world()
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     programs = step.verify()
@@ -142,21 +139,19 @@ class _Found:
     entry: plancache.CachedPlan | None
 
 
-def _planned(joining: launch.Joining, workshop: Workshop, loss_fn: Callable, params: Any, batch: Sequence[Any],
-             *, schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any,
+def _planned(world: launch.World, workshop: Workshop, loss_fn: Callable, params: Any, batch: Sequence[Any], *,
+             schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any,
              options: dict[str, Any]) -> _Found:
     """The plan with its artefacts: searched here, or loaded from the plan cache and its stage programs
-    built (once each) for it. Only calibration needs the joined world (rank 0 times, the others hear)."""
-    me = joining.expected
-    assert me is not None
+    built (once each) for it."""
     if calibrate:
-        options["calibration"] = calibration(joining.world(), workshop, calibrate,
-                                             microbatches=options["microbatches"], dp=options["dp"])
+        options["calibration"] = calibration(world, workshop, calibrate, microbatches=options["microbatches"],
+                                             dp=options["dp"])
     if plan_cache is None:
-        return _Found(search(loss_fn, params, *batch, world_size=me.size, schedule=schedule, workshop=workshop,
+        return _Found(search(loss_fn, params, *batch, world_size=world.size, schedule=schedule, workshop=workshop,
                              build=build, **options), None)
-    entry = plancache.load_or_plan(plan_cache, loss_fn, params, *batch, world_size=me.size, schedule=schedule,
-                                   write=me.rank == 0, workshop=workshop, build=build, **options)
+    entry = plancache.load_or_plan(plan_cache, loss_fn, params, *batch, world_size=world.size, schedule=schedule,
+                                   write=world.rank == 0, workshop=workshop, build=build, **options)
     if entry.planned is not None:
         return _Found(entry.planned, entry)
     return _Found(planned_from(entry.plan, workshop, table=lowered_table(entry.plan, build)), entry)

@@ -7,13 +7,12 @@ import logging
 import os
 import socket
 import sys
-import threading
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError, PlanError
+from ..errors import PlanError
 
 log = logging.getLogger("engine.launch")
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -167,78 +166,3 @@ def init(timeout: float = 60.0) -> World:
     world = World(rank, size, local, _device(local), size > 1)
     log.info("rank %d of %d (local %d) on %s", rank, size, local, world.device)
     return world
-
-
-@attrs.frozen
-class Expected:
-    """Who this process will be, read from the launcher's environment before joining: enough to plan."""
-
-    rank: int
-    size: int
-    device_type: str
-
-
-def expected() -> Expected | None:
-    """Rank and size from torch.distributed, torchrun's or mpirun's environment; None if they cannot be read."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if dist.is_available() and dist.is_initialized():
-        return Expected(dist.get_rank(), dist.get_world_size(), device_type)
-    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                               ("PMI_RANK", "PMI_SIZE")):
-        if rank_var in os.environ and size_var in os.environ:
-            return Expected(int(os.environ[rank_var]), int(os.environ[size_var]), device_type)
-    if any(k in os.environ for k in MPI_ENV):
-        return None
-    return Expected(0, 1, device_type)
-
-
-class Joining:
-    """`init` run in a background thread, so the rendezvous (the store, the process group, peers that
-    start late) waits while this rank traces and plans; `world()` joins it. Falls back to joining at
-    once where that cannot be overlapped safely (no launcher variables, or MPI without thread support)."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = check_timeout(timeout)
-        self.expected = expected()
-        self._world: World | None = None
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if self.expected is None or self.expected.size == 1 or dist.is_initialized() or not _mpi_threads_ok():
-            self._world = init(self.timeout)
-            self.expected = Expected(self._world.rank, self._world.size, self._world.device.type)
-        else:
-            self._thread = threading.Thread(target=self._join, name="fnpipe-join", daemon=True)
-            self._thread.start()
-
-    def _join(self) -> None:
-        try:
-            self._world = init(self.timeout)
-        except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread by world()
-            self._error = exc
-
-    def world(self) -> World:
-        """The joined World (raises what joining raised); the device is made current in this thread too."""
-        if self._thread is not None:
-            self._thread.join(self.timeout + 60)
-            if self._thread.is_alive():
-                raise CommTimeoutError(f"joining the job took longer than {self.timeout:g} s + 60 s; check that every "
-                                       "rank was started and can reach rank 0")
-            self._thread = None
-        if self._error is not None:
-            raise self._error
-        assert self._world is not None
-        _device(self._world.local_rank)  # CUDA's current device is per thread
-        if (self._world.rank, self._world.size) != (self.expected.rank, self.expected.size):  # type: ignore[union-attr]
-            raise PlanError(f"the launcher's environment said rank {self.expected.rank} of {self.expected.size} "  # type: ignore[union-attr]
-                            f"but the job made this rank {self._world.rank} of {self._world.size}; "
-                            "unset stale RANK / WORLD_SIZE variables")
-        return self._world
-
-
-def _mpi_threads_ok() -> bool:
-    """Joining from a thread needs MPI initialised with at least serialized thread support."""
-    if not any(k in os.environ for k in MPI_ENV) or "RANK" in os.environ:
-        return True
-    from mpi4py import MPI
-
-    return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
