@@ -99,7 +99,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     params and grads keep theirs (engine.precision.mixed_precision; grads are then those of that function).
     `compiler` runs each stage program as generated fx Python ("fx", the default: eager's kernels, no
     compile time) or compiled by torch.compile's inductor ("inductor": fused kernels, a compile per
-    stage program at the first step).
+    stage program at the first step). `timeout` (positive seconds) bounds every wait; the step holds
+    process groups until `step.close()` (or the end of `with engine.parallelize(...) as step:`).
     """
     require_function(loss_fn, "engine.parallelize")
     if compute_dtype is not None:
@@ -115,12 +116,17 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                            recompute=recompute, has_aux=has_aux))
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
+    return _checked(step, planned.entry)
+
+
+def _checked(step: Step, entry: plancache.CachedPlan | None) -> Step:
+    """The ranks agree (Step.verify), the plan cache records or checks the programs, CUDA kernels load."""
     programs = step.verify()
-    if planned.entry is not None:
-        plancache.record_programs(planned.entry, programs, write=world.rank == 0)
-    if world.device.type == "cuda":
+    if entry is not None:
+        plancache.record_programs(entry, programs, write=step.world.rank == 0)
+    if step.world.device.type == "cuda":
         step.executor.warmup(step.local_stages)
-    log.info("rank %d: %s", world.rank, step.program)
+    log.info("rank %d: %s", step.world.rank, step.program)
     return step
 
 

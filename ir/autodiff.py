@@ -295,14 +295,20 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: 
     bwd = _part(jg, b_part, slot, list(dict.fromkeys(act_grads + stash_b)), rb)
     wgt = _part(jg, w_part, slot, param_grads, rw)
     fused = _part(jg, b_part | w_part, slot, list(dict.fromkeys(act_grads + param_grads)), rb | rw)
+    grad_slots, ct_slots, avals = _slot_tables(slot, n_in, len(g.outputs), diff_in, grads, diff_out)
+    return StageAD(fwd, bwd, wgt, len(slot), tuple(slot[v] for v in outs), ct_slots, grad_slots, avals, fused)
+
+
+def _slot_tables(slot: dict, n_in: int, n_out: int, diff_in: Sequence[int], grads: Sequence[Any],
+                 diff_out: Sequence[int]) -> tuple[tuple, tuple, tuple]:
+    """Where each input's grad lives, where each output's cotangent comes in, and every slot's aval."""
     grad_slots: list[int | None] = [None] * n_in
     for i, x in zip(diff_in, grads):
         grad_slots[i] = slot[x]
-    ct_slots: list[int | None] = [None] * len(g.outputs)
+    ct_slots: list[int | None] = [None] * n_out
     for k, j in enumerate(diff_out):
         ct_slots[j] = n_in + k
     avals = [None] * len(slot)
     for v, s in slot.items():
         avals[s] = v.aval
-    return StageAD(fwd, bwd, wgt, len(slot), tuple(slot[v] for v in outs), tuple(ct_slots),
-                   tuple(grad_slots), tuple(avals), fused)
+    return tuple(grad_slots), tuple(ct_slots), tuple(avals)
