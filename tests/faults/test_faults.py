@@ -11,15 +11,19 @@ import time
 import pytest
 
 from tests.faults.cases import TIMEOUT
-from tests.mpi.jobs import BIN, ROOT, job_env
+from tests.mpi.jobs import BIN, ROOT, free_port, job_env
 
 pytestmark = pytest.mark.mpi
 ENDS_WITHIN = TIMEOUT + 25.0  # the peer timeout, then MPI_Abort, mpirun's teardown and interpreter start-up
 
 
-def _job(which: str, limit: float) -> tuple[int, str, float]:
-    cmd = [str(BIN / "mpirun"), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
-           "tests/faults/cases.py", which]
+def _job(which: str, limit: float, launcher: str = "mpirun") -> tuple[int, str, float]:
+    if launcher == "mpirun":
+        cmd = [str(BIN / "mpirun"), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+               "tests/faults/cases.py", which]
+    else:  # torchrun's agent ends the other workers when one exits non-zero
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master-port", str(free_port()),
+               "tests/faults/cases.py", which]
     began = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, timeout=limit)
@@ -87,3 +91,13 @@ def test_a_misbehaving_rank_ends_the_whole_job(how: str) -> None:
         assert "fnpipe: rank 0 failed (CommTimeoutError); aborting the job so that no rank waits forever" in out, out
     if how == "raise":
         assert "fnpipe: rank 1 failed (ValueError); aborting the job" in out, out
+
+
+@pytest.mark.parametrize("how", ["hang", "raise"])
+def test_under_torchrun_a_misbehaving_rank_ends_the_whole_job_too(how: str) -> None:
+    code, out, seconds = _job(how, ENDS_WITHIN + 60, launcher="torchrun")
+    assert code != 0, out
+    assert seconds < ENDS_WITHIN, f"{how}: the job took {seconds:.1f} s to end\n{out}"
+    assert "rank 1 misbehaves" in out and "ChildFailedError" in out, out
+    if how == "hang":
+        assert re.search(r"CommTimeoutError: rank 0: .* rank 1 died or hangs", out), out
