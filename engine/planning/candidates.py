@@ -44,6 +44,7 @@ class Candidate:
     rank_memory: tuple[float, ...]
     recompute: tuple[bool, ...] = ()
     stage_memory: tuple[float, ...] = ()  # each stage's own peak (what the plan table shows)
+    remat: tuple[bool, ...] = ()          # per stage: cheap recomputation (norms, pointwise chains)
 
 
 class Candidates:
@@ -62,7 +63,7 @@ class Candidates:
     def graph(self, size: int) -> ir.Graph:
         return self.workshop.graph(size)
 
-    def differentiate(self, size: int) -> Callable[[ir.Stage, bool], ir.StageAD]:
+    def differentiate(self, size: int) -> Callable[[ir.Stage, bool | str], ir.StageAD]:
         return lambda stage, recompute: self.workshop.autodiff(size, stage, recompute)
 
     def blocks(self, size: int, fine: bool, *, exact: bool = False, split_bw: bool = False) -> Blocks:
@@ -77,7 +78,7 @@ class Candidates:
                 self._blocks[key] = coarsen(self.graph(size), self.model, fine=fine, min_blocks=self.min_blocks)
         return self._blocks[key]
 
-    def exact(self, size: int, cuts: Sequence[int], recompute: Sequence[bool] = ()) -> tuple[StageCost, ...]:
+    def exact(self, size: int, cuts: Sequence[int], recompute: Sequence[bool | str] = ()) -> tuple[StageCost, ...]:
         cache = self._exact.setdefault(size, {})
         return exact(self.graph(size), cuts, self.model, cache=cache, recompute=recompute,
                      differentiate=self.differentiate(size))
@@ -103,7 +104,7 @@ class Candidates:
         mems = [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages]
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
                          allreduce, rank_peaks(table, mems, self.memory, sim), tuple(s.recompute for s in stages),
-                         stage_peaks(table, mems, self.memory, sim))
+                         stage_peaks(table, mems, self.memory, sim), tuple(s.remat for s in stages))
 
     def split(self, layout: Layout, table: schedules.Table, blocks: Blocks, time_scale: Sequence[float] | None = None,
               saved_scale: Sequence[float] | None = None, budgets: Sequence[float] | None = None

@@ -72,10 +72,17 @@ class Plan:
         default=attrs.Factory(lambda self: (False,) * self.num_stages, takes_self=True),
         converter=lambda flags: tuple(bool(f) for f in flags))
 
+    # per stage: B and W redo norms, copies and pointwise chains instead of F saving them (cheap
+    # recomputation: less memory, extra memory-bound kernels); the planner turns it on only where memory needs it
+    remat: tuple[bool, ...] = attrs.field(
+        default=attrs.Factory(lambda self: (False,) * self.num_stages, takes_self=True),
+        converter=lambda flags: tuple(bool(f) for f in flags))
+
     def __attrs_post_init__(self) -> None:
-        if len(self.recompute) != self.num_stages:
-            raise PlanError(f"recompute has {len(self.recompute)} flags for {self.num_stages} stages; give one "
-                            "bool per stage (or leave it out: no recomputation)")
+        for name, flags in (("recompute", self.recompute), ("remat", self.remat)):
+            if len(flags) != self.num_stages:
+                raise PlanError(f"{name} has {len(flags)} flags for {self.num_stages} stages; give one "
+                                "bool per stage (or leave it out: no recomputation)")
 
     @property
     def world_size(self) -> int:
@@ -134,6 +141,8 @@ def format_plan(plan: Plan) -> str:
     ]
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
+    if any(plan.remat):
+        lines.append(f"cheap recomputation (norms, pointwise) on stages {[k for k, r in enumerate(plan.remat) if r]}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@ what autodiff reports, and the split is redone until it is stable and every rank
 Activation recomputation is chosen per stage inside the split (`stagecost.split_recompute`): with
 recompute="auto" a stage recomputes only when it does not fit its budget without, paying its forward
 twice; when that happened, the best split without any recomputation is made exact too and the faster
-of the two wins.
+of the two wins. Once a split is exact, `recompute.settle` tries the cheaper level first (norms and
+pointwise chains redone, `plan.remat`) where a rank is over the limit or a stage recomputes its whole
+forward; with memory to spare no stage recomputes anything.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from ..units import nbytes
 from .memory import MemoryModel
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
+from .recompute import settle
 from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
 
 log = logging.getLogger("engine.plan")
@@ -108,8 +111,9 @@ def _refine(planner: Candidates, first: Candidate) -> Candidate:
     part, flags = planner.split(layout, table, blocks)
     bounds, seen, best, last = part.bounds, set(), None, None
     for _ in range(REFINE_ROUNDS):
-        stages = planner.exact(size, [blocks.bounds[b] for b in bounds[1:-1]], flags)
-        last = planner.evaluate(layout, stages, table, fine=first.fine, bounds=bounds)
+        last = settle(planner, layout, table, size, [blocks.bounds[b] for b in bounds[1:-1]], flags,
+                      fine=first.fine, bounds=bounds)
+        stages = last.stages
         if max(last.rank_memory) <= planner.limit and (best is None or last.step_time < best.step_time):
             best = last
         seen.add((bounds, flags))
@@ -187,10 +191,10 @@ def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequenc
 def _fixed_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
                      cuts: Sequence[int]) -> Candidate:
     """Fixed cuts costed exactly; with recompute "auto", the stages of each rank over the limit
-    recompute (until every rank fits or all its stages do)."""
+    recompute (until every rank fits or all its stages do), the cheap level first (`recompute.settle`)."""
     flags = [planner.recompute is True] * layout.num_stages
     while True:
-        cand = planner.evaluate(layout, planner.exact(size, cuts, flags), table)
+        cand = settle(planner, layout, table, size, cuts, flags)
         over = [s for r, peak in enumerate(cand.rank_memory) if peak > planner.limit for s in table.stages_of(r)
                 if not flags[s]]
         if planner.recompute != "auto" or not over:
@@ -217,7 +221,8 @@ def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
         predicted_step_time=cand.step_time, bubble_fraction=cand.bubble, graph_hash=graph_hash(graph),
         device=planner.model.device.name, memory_limit=int(planner.limit), link=planner.model.link.name,
         microbatch_size=size, num_eqns=len(graph.eqns), allreduce_time=cand.allreduce,
-        rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute)
+        rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute,
+        remat=cand.remat or (False,) * layout.num_stages)
 
 
 def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedule: str = "1f1b",
@@ -284,9 +289,10 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
 def _chosen(planner: Candidates, cand: Candidate) -> Planned:
     p = _to_plan(planner, cand, planner.schedule)
     log.info("plan:\n%s", p)
-    if any(p.recompute):
-        split_log.info("activation recomputation on stages %s (memory limit %s)",
-                       [k for k, r in enumerate(p.recompute) if r], nbytes(p.memory_limit or 0))
+    for name, flags in (("activation recomputation", p.recompute), ("cheap recomputation", p.remat)):
+        if any(flags):
+            split_log.info("%s on stages %s (memory limit %s)", name, [k for k, r in enumerate(flags) if r],
+                           nbytes(p.memory_limit or 0))
     size = p.microbatch_size
-    return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute),
+    return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute, p.remat),
                    lowered_table(p, planner.build))
