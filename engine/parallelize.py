@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import PlanError, require_function
 from .execution import launch
+from .execution.compilers import use_cache_dir
 from .execution.executor import COMPILERS, Hook, check_compiler
 from .execution.inputs import check_mode
 from .execution.step import Step, connect, microbatch_example
@@ -77,7 +78,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None,
                 plan_cache: str | os.PathLike | None = None,
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
-                compute_dtype: torch.dtype | None = None, compiler: str = "fx", has_aux: bool = False,
+                compute_dtype: torch.dtype | None = None, compiler: str = "auto", has_aux: bool = False,
                 check_inputs: str = "first") -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
@@ -97,9 +98,10 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     do not fit memory without it; `step.plan.recompute` says which). `compute_dtype` (e.g.
     torch.bfloat16) runs the model with its float params cast to that dtype inside the graph while
     params and grads keep theirs (engine.precision.mixed_precision; grads are then those of that function).
-    `compiler` runs each stage program as generated fx Python ("fx", the default: eager's kernels, no
-    compile time) or compiled by torch.compile's inductor ("inductor": fused kernels, a compile per
-    stage program at the first step). `timeout` (positive seconds) bounds every wait; the step holds
+    `compiler` runs each stage program as generated fx Python ("fx": eager's kernels, no compile time),
+    compiled by torch.compile's inductor ("inductor": fused kernels, a compile per distinct stage program,
+    paid here, kept on disk for the next run), or "auto" (the default): inductor on CUDA, fx elsewhere
+    (engine.execution.compilers; `step.compile_seconds` says what each stage's compile took). `timeout` (positive seconds) bounds every wait; the step holds
     process groups until `step.close()` (or the end of `with engine.parallelize(...) as step:`).
     """
     require_function(loss_fn, "engine.parallelize")
@@ -114,6 +116,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
                            recompute=recompute, has_aux=has_aux))
+    use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     return _checked(step, planned.entry)
@@ -124,9 +127,11 @@ def _checked(step: Step, entry: plancache.CachedPlan | None) -> Step:
     programs = step.verify()
     if entry is not None:
         plancache.record_programs(entry, programs, write=step.world.rank == 0)
-    if step.world.device.type == "cuda":
+    if step.world.device.type == "cuda" or step.executor.compiler != "fx":  # kernels loaded, programs compiled
         step.executor.warmup(step.local_stages)
     log.info("rank %d: %s", step.world.rank, step.program)
+    for stage, seconds in sorted(step.compile_seconds.items()):
+        log.info("rank %d: stage %d compiled in %.1f s (%s)", step.world.rank, stage, seconds, step.executor.compiler)
     return step
 
 
