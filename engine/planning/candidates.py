@@ -20,6 +20,7 @@ from ..names import abbreviate
 from .artifacts import Workshop, build_table
 from .blocks import Blocks, coarsen
 from .layout import Layout
+from .dp_memory import with_allreduce
 from .memory import MemoryModel, peak_live, rank_peaks, stage_peaks
 from .op_costs import CostModel
 from .split import BlockCosts, Partition
@@ -102,8 +103,10 @@ class Candidates:
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
         mems = [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages]
+        peaks = with_allreduce(rank_peaks(table, mems, self.memory, sim), table, mems,
+                               [s.param_bytes for s in stages], self.memory, layout.dp)  # dp: the flat grad sum
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
-                         allreduce, rank_peaks(table, mems, self.memory, sim), tuple(s.recompute for s in stages),
+                         allreduce, peaks, tuple(s.recompute for s in stages),
                          stage_peaks(table, mems, self.memory, sim), tuple(s.remat for s in stages))
 
     def split(self, layout: Layout, table: schedules.Table, blocks: Blocks, time_scale: Sequence[float] | None = None,
