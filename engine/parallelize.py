@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import PlanError, require_function
 from .execution import launch
-from .execution.compilers import use_cache_dir
+from .execution.compilers import resolve, use_cache_dir
 from .execution.executor import COMPILERS, Hook, check_compiler
 from .execution.inputs import check_mode
 from .execution.step import Step, connect, microbatch_example
@@ -30,14 +30,16 @@ log = logging.getLogger("engine.runtime")
 
 
 def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.PathLike, *, microbatches: Any,
-                dp: Any) -> Any:
+                dp: Any, compiler: str = "fx") -> Any:
     """Rank 0 times the model's ops on its device, all ranks get the table. A table saved at `where` is
     loaded first and only the signatures it lacks are timed (another microbatch size or dp makes new
-    shapes); the grown table is saved back. If rank 0 fails, every rank raises with its error."""
+    shapes); the grown table is saved back. With `compiler` other than fx (as resolved for the device),
+    the model's programs compiled by it are timed too (`Calibration.compiled`). If rank 0 fails, every
+    rank raises with its error."""
     table, error = None, None
     if world.rank == 0:
         try:
-            table = _calibrate_here(world, workshop, where, microbatches, dp)
+            table = _calibrate_here(world, workshop, where, microbatches, dp, compiler)
         except Exception as exc:  # noqa: BLE001 -- re-raised below, after the others have heard of it
             error = exc
     if world.distributed:  # always: rank 0's table wins, whatever each rank found on disk
@@ -55,7 +57,7 @@ def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.
 
 
 def _calibrate_here(world: launch.World, workshop: Workshop, where: bool | str | os.PathLike, microbatches: Any,
-                    dp: Any) -> Any:
+                    dp: Any, compiler: str = "fx") -> Any:
     from .planning.calibration import Calibration, calibrate_training
 
     path = None if where is True else os.fspath(where)
@@ -65,8 +67,9 @@ def _calibrate_here(world: launch.World, workshop: Workshop, where: bool | str |
     graph = workshop.graph(batch_size_of(workshop.batch) // parts)
     real = pytree.tree_leaves((workshop.params, example))
     inputs = real if all(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in real) else None
-    table = calibrate_training(graph, world.device, calibration=known, inputs=inputs, 
-                               compile_program=COMPILERS["fx"])
+    others = {} if compiler == "fx" else {compiler: COMPILERS[compiler]}
+    table = calibrate_training(graph, world.device, calibration=known, inputs=inputs,
+                               compile_program=COMPILERS["fx"], compiled=others)
     if path is not None and table != known:
         table.save(path)
     return table
@@ -111,8 +114,9 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     build = schedule_builder(schedule)
     world = launch.init(timeout)
     workshop = Workshop(loss_fn, params, example_batch, device=world.device.type, has_aux=has_aux)
+    compiler = resolve(compiler, world.device)  # "auto": inductor on CUDA, fx elsewhere
     planned = _planned(world, workshop, loss_fn, params, example_batch, schedule=schedule, build=build,
-                       plan_cache=plan_cache, calibrate=calibrate, options=dict(
+                       plan_cache=plan_cache, calibrate=calibrate, compiler=compiler, options=dict(
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
                            recompute=recompute, has_aux=has_aux))
@@ -151,13 +155,14 @@ class _Found:
 
 
 def _planned(world: launch.World, workshop: Workshop, loss_fn: Callable, params: Any, batch: Sequence[Any], *,
-             schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any,
+             schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any, compiler: str,
              options: dict[str, Any]) -> _Found:
     """The plan with its artefacts: searched here, or loaded from the plan cache and its stage programs
-    built (once each) for it."""
+    built (once each) for it. A calibrated plan is costed as `compiler`'s programs run."""
     if calibrate:
-        options["calibration"] = calibration(world, workshop, calibrate, microbatches=options["microbatches"],
-                                             dp=options["dp"])
+        table = calibration(world, workshop, calibrate, microbatches=options["microbatches"], dp=options["dp"],
+                            compiler=compiler)
+        options["calibration"] = table.for_compiler(compiler)
     if plan_cache is None:
         return _Found(search(loss_fn, params, *batch, world_size=world.size, schedule=schedule, workshop=workshop,
                              build=build, **options), None)
