@@ -119,7 +119,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                        plan_cache=plan_cache, calibrate=calibrate, compiler=compiler, options=dict(
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
-                           recompute=recompute, has_aux=has_aux))
+                           recompute=recompute, has_aux=has_aux, fused_recompute=compiler == "inductor"))
     use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)

@@ -53,9 +53,10 @@ class Candidates:
 
     def __init__(self, workshop: Workshop, *, schedule: str, build: Callable[..., schedules.Table],
                  model: CostModel, memory: MemoryModel, limit: float, min_blocks: int,
-                 recompute: bool | str = False) -> None:
+                 recompute: bool | str = False, fused_recompute: bool = False) -> None:
         self.workshop, self.batch = workshop, workshop.batch
         self.recompute = recompute
+        self.fused_recompute = fused_recompute  # the compiler fuses cheap recomputation: see recompute.settle
         self.schedule, self.build, self.model, self.memory, self.limit = schedule, build, model, memory, limit
         self.min_blocks = min_blocks
         self._blocks: dict[tuple[int, bool, bool, bool], Blocks] = {}

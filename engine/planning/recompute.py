@@ -19,6 +19,12 @@ run twice). With memory to spare nothing changes: every stage is at level False 
 extra kernels. `plan.recompute` (True) and `plan.remat` ("cheap") say which stages do what, and
 `print(plan)` lists both.
 
+Compiled programs change the price. A compiler that fuses pointwise work (inductor) folds the cheap
+level's norms and pointwise chains into the backward kernels that read them, so they cost no extra kernel
+(AOTAutograd's min-cut partitioner recomputes the same ops for the same reason); there the planner starts
+every stage at "cheap" (`fused_recompute`, which `engine.parallelize` sets for compiler="inductor" and
+"auto" on CUDA), keeping less per microbatch for free.
+
 Why per rank: a rank's peak is the sum over its own stages (`memory.rank_peaks`); changing one rank's
 levels leaves the other ranks' peaks as they were, so each rank is settled on its own.
 """
@@ -38,7 +44,8 @@ def settle(planner: Candidates, layout: Layout, table: schedules.Table, size: in
     """The split `cuts` costed exactly with each stage at the cheapest recompute level that keeps its rank
     within the planner's limit (see the module docstring); `recompute` is the splitter's choice of full
     recomputation per stage. Only `planner.recompute == "auto"` changes levels."""
-    levels: list[bool | str] = [bool(f) for f in recompute]
+    free = "cheap" if planner.recompute == "auto" and getattr(planner, "fused_recompute", False) else False
+    levels: list[bool | str] = [True if f else free for f in recompute]
 
     def evaluate() -> Candidate:
         return planner.evaluate(layout, planner.exact(size, cuts, levels), table, fine=fine, bounds=bounds)

@@ -231,10 +231,13 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
-           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False) -> Planned:
+           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
+           fused_recompute: bool = False) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
-    each done once) and `build` (the schedule's builder) may be handed in by a caller that has them."""
+    each done once) and `build` (the schedule's builder) may be handed in by a caller that has them.
+    `fused_recompute`: the programs will be compiled by a compiler that fuses pointwise work (inductor), so
+    the cheap recomputation costs no extra kernels and every stage takes it (`recompute.settle`)."""
     require_function(fn, "engine.plan")
     profile = get_device(device)
     model = CostModel(profile, get_link(link, profile), calibration)
@@ -253,7 +256,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
     planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
                          limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
-                         min_blocks=max(c.num_stages for c in candidates), recompute=recompute)
+                         min_blocks=max(c.num_stages for c in candidates), recompute=recompute,
+                         fused_recompute=fused_recompute)
     if cuts is not None:
         return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
     ranked, reasons = _rank_layouts(planner, candidates)

@@ -202,3 +202,16 @@ def test_cheap_recomputation_first_where_it_is_enough() -> None:
     assert max(p.rank_memory) <= limit
     assert p.stages[0].time > roomy.stages[0].time
     assert "cheap recomputation (norms, pointwise) on stages [0]" in str(p)
+
+
+def test_a_fusing_compiler_takes_the_cheap_level_everywhere() -> None:
+    """With fused_recompute (inductor folds norms and pointwise chains into the backward's kernels) every
+    stage keeps less at no extra kernel: the cheap level on all stages, none recomputing its forward, each
+    rank's peak below the plain plan's."""
+    fn, params, batch = _medium()
+    roomy = _roomy()
+    fused = plan(fn, params, *batch, fused_recompute=True, **PLAN_KW)
+    assert fused.remat == (True,) * 4 and not any(fused.recompute)
+    assert all(a < b for a, b in zip(fused.rank_memory, roomy.rank_memory)), (fused.rank_memory, roomy.rank_memory)
+    assert "cheap recomputation (norms, pointwise) on stages [0, 1, 2, 3]" in str(fused)
+    assert plan(fn, params, *batch, fused_recompute=True, recompute=False, **PLAN_KW).remat == (False,) * 4
