@@ -7,8 +7,8 @@ programs run once more, timed, and the table keeps how much longer they took tha
 (`scale`): what ops timed alone miss, the gaps between launches and operands no longer in cache.
 
 Compiled programs (inductor) fuse ops, so their ops' sum says little about them: the same whole programs
-are compiled and timed too, and `compiled[name]` keeps their seconds over the ops' sum (about 0.6 where
-fusion pays). `for_compiler(name)` is the table the planner costs that compiler's programs with: every
+are compiled and timed too (at the "cheap" recompute level, as the planner plans stages for a fusing
+compiler), and `compiled[name]` keeps their seconds over the ops' sum (below 1 where fusion pays). `for_compiler(name)` is the table the planner costs that compiler's programs with: every
 op's time scaled by it, so stages are balanced as they run. (One factor for the whole model: a stage
 whose ops fuse better or worse than the model's average is mispredicted by that difference.)
 """
@@ -195,10 +195,12 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
         cal = attrs.evolve(cal, scale=program_scale(ad, g, dev, cal, inputs, repeats=repeats,
                                                     compile_program=compile_program))
     scales = {} if fresh else dict(cal.compiled)
+    if any(name not in scales for name in compiled or {}):  # a fusing compiler's stages run the cheap level
+        fused = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
+                                  constant_outputs=range(1, len(g.outputs)), recompute="cheap")
     for name, compiler in (compiled or {}).items():
         if name not in scales:
-            scales[name] = program_scale(ad, g, dev, cal, inputs, repeats=repeats,
-                                         compile_program=compiler)
+            scales[name] = program_scale(fused, g, dev, cal, inputs, repeats=repeats, compile_program=compiler)
             log.info("calibration: %s programs run %.3f x their ops' calibrated sum", name, scales[name])
     return attrs.evolve(cal, compiled=scales)
 
