@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--stages", default="auto")
     ap.add_argument("--dp", default="auto")
     ap.add_argument("--microbatches", default="auto")
+    ap.add_argument("--recompute", default="auto", choices=["auto", "true", "false"])
     args = ap.parse_args()
     count = lambda v: v if v == "auto" else int(v)  # noqa: E731
     cfg = config(layers=args.layers)
@@ -96,7 +97,7 @@ def main() -> None:
     t0 = time.perf_counter()
     plan = engine.plan(make_loss(cfg), params, tokens, tokens, world_size=args.world, device=args.device,
                        stages=count(args.stages), dp=count(args.dp), microbatches=count(args.microbatches),
-                       recipe=recipe)
+                       recipe=recipe, recompute={"auto": "auto", "true": True, "false": False}[args.recompute])
     seconds = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     print(plan)
