@@ -1,5 +1,6 @@
 """Two hosts on one machine: network namespaces joined by a veth pair, two ranks in each, a real
-rendezvous over the veth addresses (torchrun --nnodes 2, c10d) and gloo traffic between them.
+rendezvous over the veth addresses and gloo traffic between them: under torchrun --nnodes 2 (c10d), and
+under mpirun with a hostfile of the two addresses (its ssh replaced by `ip netns exec`).
 
 Needs root and `ip netns` (CI runs as root); skipped with the reason elsewhere. The namespaces are
 removed whatever happens (deleting one removes its end of the veth pair, and so the pair).
@@ -119,3 +120,43 @@ def test_torchrun_on_two_hosts_meets_over_the_veth_and_matches_one_process(hosts
         assert master == hosts["addr_a"], out
     sent = _bytes(hosts["a"], hosts["veth_a"]) + _bytes(hosts["b"], hosts["veth_b"]) - before
     assert sent > 20_000, f"only {sent} bytes crossed the veth pair"
+
+
+AGENT = """#!/bin/sh
+# mpirun's ssh stand-in: "host" is a veth address; run the daemon in that address's namespace, under its
+# own host name (Open MPI tells nodes apart by name; the namespaces share the machine's otherwise)
+host=$1; shift
+case "$host" in
+  {addr_a}) ns={a} ;;
+  {addr_b}) ns={b} ;;
+  *) echo "unknown host $host" >&2; exit 1 ;;
+esac
+exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && $*"
+"""
+
+
+def test_mpirun_on_two_hosts_finds_the_veth_address_with_no_flags(hosts: dict[str, str], tmp_path: Path) -> None:
+    """mpirun with a hostfile of the two veth addresses (its ssh replaced by `ip netns exec`): MPI's
+    shared-memory communicator holds 2 of 4 ranks, so rank 0 offers its addresses, every rank probes them,
+    and the job meets on the veth with gloo on it; nothing names an address or interface."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no `unshare` (util-linux) to give each namespace its own host name")
+    agent = tmp_path / "agent.sh"
+    agent.write_text(AGENT.format(**hosts))
+    agent.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{hosts['addr_a']} slots=2\n{hosts['addr_b']} slots=2\n")
+    env = {k: v for k, v in job_env().items() if not k.startswith(("OMPI_COMM", "PMIX", "PMI_"))}
+    env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
+    inner = (f"hostname {hosts['a']} && exec {BIN / 'mpirun'} -n 4 --hostfile {hostfile} --prtemca plm_ssh_agent "
+             f"{agent} --prtemca plm_ssh_no_tree_spawn 1 -x PYTHONPATH -x OMP_NUM_THREADS {sys.executable} "
+             "tests/mpi/netns_job.py")
+    before = _bytes(hosts["a"], hosts["veth_a"])
+    done = subprocess.run(_in(hosts["a"], "unshare", "--uts", "sh", "-c", inner), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-20000:]
+    ok = re.findall(r"^OK rank (\d) of 4 (\{.*?\}) iface (\S+)", out, flags=re.M)
+    assert len(ok) == 8 and "FAIL" not in out, out[-20000:]
+    assert {(int(r) // 2, iface) for r, _, iface in ok} == {(0, hosts["veth_a"]), (1, hosts["veth_b"])}, out
+    assert _bytes(hosts["a"], hosts["veth_a"]) - before > 20_000
