@@ -23,6 +23,7 @@ from .execution.step import Step, connect, microbatch_example
 from .planning import cache as plancache
 from .planning.artifacts import Planned, Workshop, lowered_table, planned_from
 from .planning.candidates import batch_size_of
+from .planning.recipe import Recipe, recipe_of
 from .planning.search import schedule_builder, search
 from .training.precision import mixed_precision
 
@@ -82,7 +83,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 plan_cache: str | os.PathLike | None = None,
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
                 compute_dtype: torch.dtype | None = None, compiler: str = "auto", has_aux: bool = False,
-                check_inputs: str = "first") -> Step:
+                check_inputs: str = "first", shard_optimizer: bool | str = False, recipe: Recipe | None = None) -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
@@ -106,12 +107,17 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     paid here, kept on disk for the next run), or "auto" (the default): inductor on CUDA, fx elsewhere
     (engine.execution.compilers; `step.compile_seconds` says what each stage's compile took). `timeout` (positive seconds) bounds every wait; the step holds
     process groups until `step.close()` (or the end of `with engine.parallelize(...) as step:`).
+    `shard_optimizer` (ZeRO-1: True, False, or "auto": where a layout fits only so) splits the optimizer
+    state over each stage's dp replicas: the step's grads are then each replica's part, and
+    `engine.optim.ShardedOptimizer(step, engine.optim.adamw, ...)` sums, clips and steps them
+    (engine/training/zero.py). `recipe` (engine.Recipe) is the training the memory is planned for.
     """
     require_function(loss_fn, "engine.parallelize")
     if compute_dtype is not None:
         loss_fn = mixed_precision(loss_fn, compute_dtype)
     _check_options(compiler, check_inputs)
     build = schedule_builder(schedule)
+    recipe = training_recipe(recipe, shard_optimizer)
     world = launch.init(timeout)
     workshop = Workshop(loss_fn, params, example_batch, device=world.device.type, has_aux=has_aux)
     compiler = resolve(compiler, world.device)  # "auto": inductor on CUDA, fx elsewhere
@@ -119,11 +125,23 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                        plan_cache=plan_cache, calibrate=calibrate, compiler=compiler, options=dict(
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
-                           recompute=recompute, has_aux=has_aux, fused_recompute=compiler == "inductor"))
+                           recompute=recompute, has_aux=has_aux, fused_recompute=compiler == "inductor",
+                           **({"recipe": recipe} if recipe else {})))
     use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     return _checked(step, planned.entry)
+
+
+def training_recipe(recipe: Recipe | None, shard_optimizer: bool | str) -> Recipe | None:
+    """The recipe to plan for: the user's, or one that only says shard_optimizer (Adam in the params' dtype)."""
+    recipe = recipe_of(recipe)
+    if recipe is None:
+        return Recipe(shard_optimizer=shard_optimizer) if shard_optimizer is not False else None
+    if shard_optimizer is not False and shard_optimizer != recipe.shard_optimizer:
+        raise PlanError(f"shard_optimizer={shard_optimizer!r} but recipe.shard_optimizer="
+                        f"{recipe.shard_optimizer!r}; give it once, in the recipe")
+    return recipe
 
 
 def _checked(step: Step, entry: plancache.CachedPlan | None) -> Step:

@@ -24,7 +24,8 @@ def assemble(planned: Planned, rank: int) -> Program:
     """The program of world rank `rank` (replica rank // p, pipeline position rank % p)."""
     if not 0 <= rank < planned.plan.world_size:
         raise ValueError(f"rank {rank} is outside the plan's world of {planned.plan.world_size} ranks")
-    return emit(planned.stages, planned.table, world_rank=rank, dp=planned.plan.dp, num_params=planned.num_params)
+    return emit(planned.stages, planned.table, world_rank=rank, dp=planned.plan.dp, num_params=planned.num_params,
+                sharded=planned.plan.shard_optimizer)
 
 
 def channels(planned: Planned) -> list[tuple[int, int]]:
@@ -44,8 +45,14 @@ def channels(planned: Planned) -> list[tuple[int, int]]:
 
 
 def reduce_groups(planned: Planned) -> list[tuple[int, ...]]:
-    """The world ranks that sum a grad leaf together (tied leaves across stages, dp replicas)."""
-    return list(grad_groups(planned.stages, planned.table, planned.num_params, planned.plan.dp))
+    """The world ranks that sum a grad leaf together (tied leaves across stages, dp replicas); with ZeRO-1
+    also each pipeline position's dp group, which the sharded optimizer reduce-scatters over."""
+    plan = planned.plan
+    groups = list(grad_groups(planned.stages, planned.table, planned.num_params, plan.dp, plan.shard_optimizer))
+    if plan.shard_optimizer and plan.dp > 1:
+        p = plan.pipeline_depth
+        groups += [tuple(d * p + q for d in range(plan.dp)) for q in range(p)]
+    return groups
 
 
 def common_fingerprint(planned: Planned) -> str:

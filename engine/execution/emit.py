@@ -21,6 +21,7 @@ class _Emitter:
         self.out: list[Instr] = []
         self.comm: list[CommOp] = []
         self.next_buf = 0
+        self.grad_refs: dict[int, dict[int, str]] = {}
 
     def buf(self) -> str:
         self.next_buf += 1
@@ -75,10 +76,12 @@ class _Emitter:
         self._backward("backward", self.infos[s].ad.backward, s, mb, self._grad_refs(s))
 
     def _grad_refs(self, s: int) -> dict[int, str]:
-        """Param grad slots -> the accumulated grads `g<leaf>` they add into."""
-        info = self.infos[s]
-        return {info.ad.grad_slots[i]: f"g{pid}" for i, pid in enumerate(info.stage.param_ids)
-                if info.ad.grad_slots[i] is not None}
+        """Param grad slots -> the accumulated grads `g<leaf>` they add into (per stage, made once)."""
+        if s not in self.grad_refs:
+            info = self.infos[s]
+            self.grad_refs[s] = {info.ad.grad_slots[i]: f"g{pid}" for i, pid in enumerate(info.stage.param_ids)
+                                 if info.ad.grad_slots[i] is not None}
+        return self.grad_refs[s]
 
     def _backward(self, kind: str, part: ir.Part, s: int, mb: int, outs: dict[int, str] | None = None) -> None:
         """Seed the loss grad (last stage) or take the cotangents, run `part`, hand input grads on."""
@@ -152,8 +155,11 @@ def insert_frees(instrs: Sequence[Instr]) -> tuple[Instr, ...]:
     return tuple(out)
 
 
-def grad_groups(infos: Sequence[StageInfo], table: schedules.Table, num_params: int, dp: int) -> dict[tuple[int, ...], list[int]]:
-    """World ranks that hold a copy of each param leaf's grad -> the leaves they must sum."""
+def grad_groups(infos: Sequence[StageInfo], table: schedules.Table, num_params: int, dp: int,
+                sharded: bool = False) -> dict[tuple[int, ...], list[int]]:
+    """World ranks that hold a copy of each param leaf's grad -> the leaves they must sum. `sharded`
+    (ZeRO-1): only the copies within each replica (tied stages); the dp sum is the optimizer's
+    reduce-scatter (engine/training/zero.py)."""
     p = table.num_ranks
     users: dict[int, set[int]] = {}
     for info in infos:
@@ -161,14 +167,15 @@ def grad_groups(infos: Sequence[StageInfo], table: schedules.Table, num_params: 
             users.setdefault(pid, set()).add(table.rank_of(info.stage.index))
     groups: dict[tuple[int, ...], list[int]] = {}
     for pid in range(num_params):
-        ranks = tuple(sorted(d * p + q for q in users.get(pid, {0}) for d in range(dp)))
-        if len(ranks) > 1:
-            groups.setdefault(ranks, []).append(pid)
+        for replicas in ([(d,) for d in range(dp)] if sharded else [range(dp)]):
+            ranks = tuple(sorted(d * p + q for q in users.get(pid, {0}) for d in replicas))
+            if len(ranks) > 1:
+                groups.setdefault(ranks, []).append(pid)
     return dict(sorted(groups.items()))
 
 
 def emit(infos: Sequence[StageInfo], lowered: schedules.Table, *, world_rank: int, dp: int,
-         num_params: int) -> Program:
+         num_params: int, sharded: bool = False) -> Program:
     """The program of `world_rank` (replica world_rank // p, pipeline position world_rank % p)."""
     p = lowered.num_ranks
     replica, q = divmod(world_rank, p)
@@ -177,6 +184,6 @@ def emit(infos: Sequence[StageInfo], lowered: schedules.Table, *, world_rank: in
         ACTIONS[action.kind](em, action.stage, action.microbatch)
     em.flush()
     tail = [Instr("reduce_grads", reads=tuple(f"g{pid}" for pid in pids), group=ranks)
-            for ranks, pids in grad_groups(infos, lowered, num_params, dp).items() if world_rank in ranks]
+            for ranks, pids in grad_groups(infos, lowered, num_params, dp, sharded).items() if world_rank in ranks]
     tail.append(Instr("reduce_loss"))
     return Program(world_rank, insert_frees(em.out) + tuple(tail))

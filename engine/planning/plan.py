@@ -77,6 +77,12 @@ class Plan:
     remat: tuple[bool, ...] = attrs.field(
         default=attrs.Factory(lambda self: (False,) * self.num_stages, takes_self=True),
         converter=lambda flags: tuple(bool(f) for f in flags))
+    # ZeRO-1: each dp replica steps its 1/dp share of the optimizer state (engine.optim.ShardedOptimizer)
+    shard_optimizer: bool = False
+    # per memory term (params, grads, master, optimizer, comm buffers, activations, margin): bytes per position
+    memory_terms: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(
+        default=(), converter=lambda terms: tuple((str(k), tuple(int(b) for b in v)) for k, v in terms))
+    recipe: str = ""  # the training recipe the memory was planned for (engine.planning.recipe), or ""
 
     def __attrs_post_init__(self) -> None:
         for name, flags in (("recompute", self.recompute), ("remat", self.remat)):
@@ -139,11 +145,27 @@ def format_plan(plan: Plan) -> str:
         f"bubble {plan.bubble_fraction:.1%}",
         f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; planned peak per rank {ranks}",
     ]
+    if plan.shard_optimizer:
+        lines.append(f"ZeRO-1: optimizer state split over the dp {plan.dp} replicas of each stage")
+    lines += _terms(plan)
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
     if any(plan.remat):
         lines.append(f"cheap recomputation (norms, pointwise) on stages {[k for k, r in enumerate(plan.remat) if r]}")
     return "\n".join(lines)
+
+
+def _terms(plan: Plan) -> list[str]:
+    """Memory per rank, term by term (one column per pipeline position; dp replicas hold the same)."""
+    if not plan.memory_terms:
+        return []
+    ranks = len(plan.memory_terms[0][1])
+    shown = list(range(ranks)) if ranks <= 8 else [*range(4), *range(ranks - 4, ranks)]
+    head = f"memory per rank{' (' + plan.recipe + ')' if plan.recipe else ''}:"
+    cols = " ".join(f"{'rank ' + str(r):>9}" for r in shown)
+    rows = [f"  {name:<13}" + " ".join(f"{nbytes(v[r]):>9}" for r in shown) for name, v in plan.memory_terms]
+    total = [sum(v[r] for _, v in plan.memory_terms) for r in shown]
+    return [head, f"  {'':<13}{cols}", *rows, f"  {'total':<13}" + " ".join(f"{nbytes(t):>9}" for t in total)]
 
 
 def fingerprint(items: Any) -> str:

@@ -28,9 +28,10 @@ from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .layout import Layout, layouts
 from ..units import nbytes
-from .memory import MemoryModel
+from .memory import MemoryModel, rank_terms, with_recipe
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
+from .recipe import Recipe, recipe_of
 from .recompute import settle
 from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
 
@@ -119,7 +120,7 @@ def _refine(planner: Candidates, first: Candidate) -> Candidate:
         seen.add((bounds, flags))
         _calibrate(stages, estimate(graph, blocks, bounds, recompute=flags), bounds, time_scale, saved_scale,
                    split_bw)
-        seen_peaks = planner.block_peaks(table, blocks, bounds, flags, time_scale, saved_scale)
+        seen_peaks = planner.block_peaks(table, blocks, bounds, flags, time_scale, saved_scale, layout)
         for rank, peak in enumerate(last.rank_memory):
             for s in table.stages_of(rank) if peak > planner.limit else ():  # so that this split no longer fits
                 budgets[s] = min(budgets[s], seen_peaks[s]) * planner.limit / peak
@@ -222,7 +223,13 @@ def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
         device=planner.model.device.name, memory_limit=int(planner.limit), link=planner.model.link.name,
         microbatch_size=size, num_eqns=len(graph.eqns), allreduce_time=cand.allreduce,
         rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute,
-        remat=cand.remat or (False,) * layout.num_stages)
+        remat=cand.remat or (False,) * layout.num_stages, shard_optimizer=cand.zero,
+        memory_terms=rank_terms(table, cand.stages, planner.memory_for(layout), cand.rank_memory),
+        recipe=_recipe_text(planner.memory.recipe))
+
+
+def _recipe_text(recipe: Recipe | None) -> str:
+    return "" if recipe is None else ", ".join(f"{k} {v}" for k, v in recipe.to_dict().items() if v is not None)
 
 
 def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedule: str = "1f1b",
@@ -232,7 +239,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
            build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
-           fused_recompute: bool = False) -> Planned:
+           fused_recompute: bool = False, recipe: Recipe | None = None) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them.
@@ -254,7 +261,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
     # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
     workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
-    planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
+    memory = with_recipe(memory_model, recipe_of(recipe), params)
+    planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory,
                          limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
                          min_blocks=max(c.num_stages for c in candidates), recompute=recompute,
                          fused_recompute=fused_recompute)
@@ -283,7 +291,9 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
     anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
-    `stages_per_rank`, `link`, `memory_model`, `calibration`. Raises PlanError for counts that do not fit
+    `stages_per_rank`, `link`, `memory_model`, `calibration`, `recipe` (engine.Recipe: the optimizer,
+    master-weight and grad dtypes and ZeRO-1 the memory is planned for; `plan.shard_optimizer` says
+    whether ZeRO-1 was chosen, and print(plan) shows each term of the memory per rank). Raises PlanError for counts that do not fit
     the world or batch, SplitError when nothing fits memory. `search` takes the same and also returns
     the graph, stage programs and lowered table it made on the way.
     """

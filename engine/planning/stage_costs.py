@@ -323,5 +323,5 @@ def _recompute_infeasible(rc: RecomputeCosts, num_stages: int, live: Sequence[in
             f"least {nbytes(peak(stage, b[stage], b[stage + 1]))} with {live[stage]} microbatch"
             f"{'es' if live[stage] != 1 else ''} in flight, its limit is {nbytes(budgets[stage])}; the largest single "
             f"block{label} needs {nbytes(rc.peak(block, block + 1, max(live), memory))} alone when it recomputes "
-            f"({nbytes(rc.costs.param_bytes[block] * (2 + memory.optimizer_factor))} of weights, grads and optimizer "
+            f"({nbytes(rc.costs.param_bytes[block] * memory.param_factor)} of weights, grads and optimizer "
             f"state); {FIX_NO_RECOMPUTE}")
