@@ -43,7 +43,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       ;;
     profile)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_stage.py --calibrate "$cal" \
-        --variants fx,inductor --out "$out/profile.json"
+        --variants fx,cheap,inductor --out "$out/profile.json"
       ;;
     examples)
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
