@@ -160,8 +160,9 @@ def calibration_path(b: Bench) -> str | bool:
     return str(Path(b.args.calibrate) / f"cal_{b.fam.name}.json") if b.args.calibrate else False
 
 
-def alone_step(b: Bench, schedule: str, *, compiler: str = "fx") -> engine.Step:
-    """fnpipe with one stage on this rank alone, inside a larger job (what parallelize does for world 1)."""
+def alone_step(b: Bench, schedule: str, *, compiler: str = "fx", fused_recompute: bool | None = None) -> engine.Step:
+    """fnpipe with one stage on this rank alone, inside a larger job (what parallelize does for world 1;
+    `fused_recompute` None: as parallelize sets it, for an inductor-compiled step)."""
     from engine.execution.assemble import assemble
     from engine.execution.compilers import resolve
     from engine.execution.step import Step
@@ -179,8 +180,9 @@ def alone_step(b: Bench, schedule: str, *, compiler: str = "fx") -> engine.Step:
         table = calibrate_on(solo, workshop, calibration_path(b), microbatches=b.m, dp=1,
                              compiler=resolve(compiler, dev))
         calibration = table.for_compiler(resolve(compiler, dev))
+    fused = resolve(compiler, dev) == "inductor" if fused_recompute is None else fused_recompute
     planned = search(b.loss_fn, b.params, b.tokens, b.targets, world_size=1, schedule=schedule, microbatches=b.m,
-                     device=dev.type, calibration=calibration, workshop=workshop)
+                     device=dev.type, calibration=calibration, workshop=workshop, fused_recompute=fused)
     step = Step(planned, engine.World(0, 1, 0, dev, False), LocalTransport(Hub(1, b.args.timeout), 0),
                 compiler=compiler, program=assemble(planned, 0))
     step.verify()

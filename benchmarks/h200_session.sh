@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU runs behind BENCHMARKS.md, in one device call per part. Run from the repo root on an H200 machine:
-#   bash benchmarks/h200_session.sh two       # 2 GPUs (issue #15): GPT and Llama, PyTorch 1F1B eager and with
-#                                             # compiled blocks (every schedule it allows), fnpipe auto and fx
-#                                             # for 1f1b / zb-h1 / interleaved-1f1b / zbv, then a warm restart
+#   bash benchmarks/h200_session.sh two [gpt|llama|gpt,llama]
+#                                             # 2 GPUs (issue #15): PyTorch 1F1B eager and with compiled blocks
+#                                             # (every schedule it allows), fnpipe auto and fx for 1f1b / zb-h1 /
+#                                             # interleaved-1f1b / zbv, then a warm restart. Cold compiles make
+#                                             # both families' full set about 2 x 10 min: one family per call gets
+#                                             # every row; both in one call get the rows the budget allows, in
+#                                             # priority order (baselines, fnpipe's default on 1f1b / zb-h1, ...)
 #   bash benchmarks/h200_session.sh one       # 1 GPU: eager autograd, torch.func.grad, fnpipe one stage fx / auto
 #   bash benchmarks/h200_session.sh profile   # 1 GPU: one stage kernel by kernel against torch.func.grad
 #   bash benchmarks/h200_session.sh examples  # 2 GPUs: examples/train_gpt.py under torchrun and mpirun
@@ -11,6 +15,7 @@
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
 part=${1:?usage: h200_session.sh two|one|profile|examples|four}
+families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
 mkdir -p "$out" "$cal"
@@ -24,20 +29,21 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
   case $part in
     two)  # at most 440 + 120 s: the budgets end each launch in time, `timeout` is the backstop
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-      bench 470 2 29514 --budget 430 --calibrate "$cal" --one-gpu-layers 0 --timeout 300 --out-dir "$out"
+      bench 470 2 29514 --budget 430 --families "$families" --calibrate "$cal" --one-gpu-layers 0 --timeout 300 \
+        --out-dir "$out"
       # warm restart: the compile cache and calibration tables the launch above left, fnpipe's default only
       mkdir -p "$out/warm"
-      bench 130 2 29515 --budget 115 --min-row 20 --calibrate "$cal" --schedules 1f1b --compilers auto \
+      bench 130 2 29515 --budget 115 --min-row 20 --families "$families" --calibrate "$cal" --schedules 1f1b --compilers auto \
         --torch-eager "" --torch-compiled "" --torch-risky "" --one-gpu-layers 0 --warmup 1 --steps 3 --out-dir "$out/warm"
       ;;
     one)
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-      timeout 560 python3 benchmarks/gpu_pipeline.py --single --budget 530 --one-gpu-layers 8 --calibrate "$cal" \
-        --out-dir "$out"
+      timeout 560 python3 benchmarks/gpu_pipeline.py --single --budget 530 --families "$families" --one-gpu-layers 8 \
+        --calibrate "$cal" --out-dir "$out"
       ;;
     profile)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_stage.py --calibrate "$cal" \
-        --variants fx,inductor --out "$out/profile.json"
+        --variants fx,cheap,inductor --out "$out/profile.json"
       ;;
     examples)
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
