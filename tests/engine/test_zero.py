@@ -100,5 +100,6 @@ def test_zero1_equals_one_process_and_lowers_memory_under_mpirun() -> None:
     assert "FAIL" not in out, out
     ok = re.findall(r"^OK rank (\d) (.*) max rel err", out, flags=re.M)
     assert len(ok) == 4 * 2 * 3, out  # 4 ranks x (sgd, adamw) x (3 steps, resumed on dp 4, on dp 1)
+    assert len(re.findall(r"^OK rank \d \w+ tied copies: 1 distinct", out, flags=re.M)) == 8, out
     falls = re.findall(r"^OK rank \d memory kept after a step falls (\d+) -> (\d+)", out, flags=re.M)
     assert len(falls) == 4 and all(int(b) <= 0.55 * int(a) for a, b in falls), out
