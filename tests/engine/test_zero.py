@@ -142,3 +142,15 @@ def test_in_process_ranks_run_zero1_over_the_hub_and_match_one_process() -> None
         got = pytree.tree_flatten(out[r], is_leaf=lambda x: x is None)[0]
         errs = [((g - w).norm() / w.norm()).item() for g, w in zip(got, want) if g is not None]
         assert errs and max(errs) < 1e-12, (r, errs)
+
+
+def test_fixed_cuts_also_get_zero1_where_it_makes_them_fit() -> None:
+    def cut_plan(shard: bool | str, limit: int | None = None) -> engine.Plan:
+        recipe = Recipe(optimizer="adamw", master_dtype=torch.float32, shard_optimizer=shard)
+        return engine.plan(models.loss_fn, PARAMS, *BATCH, world_size=4, dp=2, microbatches=2, recipe=recipe,
+                           cuts=[14], memory_limit=limit)
+    whole, zero = cut_plan(False), cut_plan(True)
+    between = (max(whole.rank_memory) + max(zero.rank_memory)) // 2
+    cut = cut_plan("auto", between)
+    assert cut.shard_optimizer and max(cut.rank_memory) <= between
+    assert not cut_plan("auto").shard_optimizer
