@@ -159,11 +159,18 @@ class Candidates:
         try:
             return self._estimated(layout)
         except SplitError:
-            recipe = self.memory.recipe
-            if recipe is None or recipe.shard_optimizer != "auto" or layout.dp == 1 or self._zero.get(layout):
+            if not self.shard_instead(layout):
                 raise
-            self._zero[layout] = True
             return self._estimated(layout)
+
+    def shard_instead(self, layout: Layout) -> bool:
+        """With shard_optimizer="auto": plan `layout` with ZeRO-1 from now on, if it was not already and it
+        has replicas to shard over. True when that changed something (the caller tries again)."""
+        recipe = self.memory.recipe
+        if recipe is None or recipe.shard_optimizer != "auto" or layout.dp == 1 or self._zero.get(layout):
+            return False
+        self._zero[layout] = True
+        return True
 
     def _estimated(self, layout: Layout) -> Candidate:
         table = self.table(layout)

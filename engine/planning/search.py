@@ -178,6 +178,8 @@ def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequenc
         try:
             table = planner.table(layout)
             cand = _fixed_recompute(planner, layout, table, size, cuts)
+            if max(cand.rank_memory) > planner.limit and planner.shard_instead(layout):  # ZeRO-1 "auto"
+                cand = _fixed_recompute(planner, layout, table, size, cuts)
         except (schedules.ScheduleError, ir.IRError) as err:
             raise PlanError(f"cuts {list(cuts)} with {_describe(layout)}: {err}") from err
         if max(cand.rank_memory) > planner.limit:
