@@ -29,10 +29,11 @@ def dualpipev(num_stages: int, num_microbatches: int, **options: object) -> Tabl
     ``costs`` and ``max_live`` (default 2p + 1, what DeepSeek's order holds) build the order for
     other times (``schedules.from_costs``), DeepSeek's order among the candidates.
 
-    p=2 (4 stages), m=4, F=B=W (``render_ascii``)::
+    p=2 (4 stages), m=4, F=B=W, BW=2 (``render_ascii``)::
 
-       0   1   2   3    4   5    6   7    8   9    10  11   12  13   14  15  16  17  18
-    r0 0F0 0F1 3F0 3B0  0W? ...
+       0    1    2    3    4    5    6    7    8    9    10   11   12   13   14   15   16   17   18   19   20   21   22   23   24
+    r0 0F0  0F1  0F2  3F0  3B0  3W0  3F1  0F3  3BW1 ---- 3F2  0BW0 ---- 3BW2 ---- 3F3  .    0BW1 ---- 3BW3 ---- 0B2  0W2  0B3  0W3
+    r1 .    1F0  2F0  1F1  2F1  1F2  2BW0 ---- 2F2  1BW0 ---- 1F3  2BW1 ---- 2F3  1BW1 ---- 2BW2 ---- 1BW2 ---- 2B3  1B3  2W3  1W3
     """
     check_counts("dualpipev", num_stages, num_microbatches)
     chosen = take_options("dualpipev", options, {"costs": None, "max_live": None})

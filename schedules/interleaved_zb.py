@@ -20,9 +20,9 @@ def interleaved_zb(num_stages: int, num_microbatches: int, **options: object) ->
 
     p=2, v=2 (4 stages), m=2, F=B=W (``render_ascii``)::
 
-       0   1   2   3   4   5   6   7   8   9   10  11  12  13
-    r0 0F0 0F1 2F0 2F1 .   .   2B0 2B1 0B0 0B1 2W0 0W0 2W1 0W1
-    r1 .   1F0 1F1 3F0 3B0 3F1 3B1 1B0 3W0 1B1 1W0 3W1 1W1 .
+       0   1   2   3   4   5   6   7   8   9   10  11  12
+    r0 0F0 0F1 2F0 2F1 .   2B0 2W0 0B0 2B1 0W0 0B1 0W1 2W1
+    r1 .   1F0 1F1 3F0 3B0 3F1 1B0 3B1 1W0 1B1 1W1 3W0 3W1
     """
     check_counts("interleaved-zb", num_stages, num_microbatches)
     chosen = take_options("interleaved-zb", options,

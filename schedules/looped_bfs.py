@@ -21,9 +21,9 @@ def looped_bfs(num_stages: int, num_microbatches: int, **options: object) -> Tab
 
     p=2, v=2 (4 stages), m=2, F=1, BW=2 (``render_ascii``)::
 
-       0    1    2    3    4    5    6    7    8    9    10   11   12   13
-    r0 0F0  0F1  2F0  2F1  .    .    2BW1 ---- 2BW0 ---- 0BW1 ---- 0BW0 ----
-    r1 .    1F0  1F1  3F0  3F1  3BW1 ---- 3BW0 ---- 1BW1 ---- 1BW0 ---- .
+       0    1    2    3    4    5    6    7    8    9    10   11   12   13   14
+    r0 0F0  0F1  2F0  2F1  .    .    .    2BW1 ---- 2BW0 ---- 0BW1 ---- 0BW0 ----
+    r1 .    1F0  1F1  3F0  3F1  3BW1 ---- 3BW0 ---- 1BW1 ---- 1BW0 ---- .    .
     """
     check_counts("looped-bfs", num_stages, num_microbatches)
     chosen = take_options("looped-bfs", options, {"stages_per_rank": 2})

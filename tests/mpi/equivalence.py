@@ -27,7 +27,10 @@ def configs(world: int) -> list[dict]:
         p = world // dp
         out += [dict(schedule="gpipe", stages=p, dp=dp), dict(schedule="1f1b", stages=p, dp=dp),
                 dict(schedule="zb-h1", stages=p, dp=dp), dict(schedule="zbv", stages=2 * p, dp=dp),
-                dict(schedule="interleaved-1f1b", stages=2 * p, dp=dp, stages_per_rank=2)]
+                dict(schedule="interleaved-1f1b", stages=2 * p, dp=dp, stages_per_rank=2),
+                dict(schedule="looped-bfs", stages=2 * p, dp=dp, stages_per_rank=2),
+                dict(schedule="interleaved-zb", stages=2 * p, dp=dp, stages_per_rank=2),
+                dict(schedule="dualpipev", stages=2 * p, dp=dp, microbatches=max(4, 2 * p))]  # DeepSeek's: m >= 2p
     return out
 
 
@@ -39,7 +42,7 @@ def check(cfg: dict, dtype: torch.dtype, rank: int) -> str:
     params = models.init_params(dtype=dtype, layers=4)
     batch = models.batch(size=16)
     ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
-    step = engine.parallelize(models.loss_fn, params, *batch, microbatches=4, **cfg)
+    step = engine.parallelize(models.loss_fn, params, *batch, **{"microbatches": 4, **cfg})
     loss, grads = step(step.shard(params), *batch)
     errs = [rel_err(loss.cpu(), ref_loss)]
     names = step.graph.input_names
