@@ -15,12 +15,16 @@ __all__ = ["Times", "list_schedule"]
 Times = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]
 Key = Callable[[str, int, int], tuple[float, ...]]  # (kind, stage, microbatch) -> urgency, lowest first
 Choice = tuple[str, int, int]
+# w_mode -> the rank prefix of (F or B, W) below the live limit, and at it (lowest first)
+_W_RANK: dict[str, tuple[tuple[int, int], tuple[int, int]] | tuple[()]] = {
+    "fill": ((0, 1), (0, 0)), "free": ((0, 1), (1, 0)), "key": (),
+}
 
 
 def list_schedule(
     stage_to_rank: Sequence[int], num_microbatches: int, times: Times, *,
-    live_limit: Sequence[int], key: Key, w_fills: bool = True, patience: float = 0.0,
-    reserve: bool = True,
+    live_limit: Sequence[int], key: Key, w_mode: str = "fill", patience: float = 0.0,
+    reserve: bool = True, warmup: Sequence[int] = (),
 ) -> tuple[Table, float]:
     """The table a greedy list scheduler builds for these times, and its makespan.
 
@@ -30,13 +34,16 @@ def list_schedule(
     ``live_limit[rank]`` stage-microbatches (live from F's start until W ends), less one for each
     later stage of the rank (with ``reserve``: a rank full of microbatches that must come back
     through it would deadlock). With ``patience`` > 0 a rank leaves the best ready action waiting
-    when a more urgent one arrives within ``patience`` times its duration. With ``w_fills`` a
-    weight pass starts only when no F or B is ready (it fills what would be a bubble), unless the
-    rank is at its live limit (then the W frees room for the next forward). ``simulate`` gives the
+    when a more urgent one arrives within ``patience`` times its duration. Weight passes
+    (``w_mode``): "fill" starts one only when no F or B is ready (it fills what would be a
+    bubble) or the rank is at its live limit, then in ``key`` order; "free" likewise, but at the
+    limit before anything (it frees room for the next forward); "key" by ``key`` alone. Rank ``r``
+    prefers any ready forward to everything else until it has started ``warmup[r]`` of them. ``simulate`` gives the
     table at most this makespan: it starts every action as soon as its rank and inputs allow.
     Raises ScheduleError when the limits leave every rank waiting.
     """
     run = _Run(stage_to_rank, num_microbatches, times, live_limit, reserve)
+    run.warmup = list(warmup) or [0] * len(run.stages)
     while run.remaining:
         if not run.events:
             raise ScheduleError(
@@ -47,7 +54,7 @@ def list_schedule(
             run.wake(now)
         if run.free_at[r] > now:
             continue
-        best, best_key, coming = run.choose(r, now, key, w_fills, patience > 0)
+        best, best_key, coming = run.choose(r, now, key, _W_RANK[w_mode], patience > 0)
         soonest = min((at for at, _ in coming), default=-1.0)
         duration = run.duration[best[0]][best[1]] if best is not None else 0.0
         if best is None or any(at < now + patience * duration and k < best_key for at, k in coming):
@@ -74,7 +81,8 @@ class _Run:
                          for s in range(num_stages)]  # no transfer within a rank
         self.next = {kind: [0] * num_stages for kind in (F, B, W)}
         self.ended = {kind: [[-1.0] * m for _ in range(num_stages)] for kind in (F, B, W)}
-        self.free_at, self.live = [0.0] * num_ranks, [0] * num_ranks
+        self.free_at, self.live, self.forwards = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
+        self.warmup = [0] * num_ranks
         self.rows: list[list[Action]] = [[] for _ in range(num_ranks)]
         self.events = [(0.0, r, False) for r in range(num_ranks)]  # (time, rank, an action of it ends)
         self.waiting: list[int] = []
@@ -101,11 +109,11 @@ class _Run:
         up = ended[B][s + 1][i]
         return max(t, up + self.transfer[s]) if up >= 0 else -1.0
 
-    def choose(self, r: int, now: float, key: Key, w_fills: bool, look: bool
+    def choose(self, r: int, now: float, key: Key, w_rank: tuple[tuple[int, int], tuple[int, int]], look: bool
                ) -> tuple[Choice | None, tuple[float, ...] | None, list[tuple[float, tuple[float, ...]]]]:
         """The most urgent ready action of rank ``r``, its key, and (arrival, key) of those coming."""
         best, best_key, coming = None, None, []
-        live, limit = self.live[r], self.limit[r]
+        live, limit, warm = self.live[r], self.limit[r], self.forwards[r] < self.warmup[r]
         for s in self.stages[r]:
             for kind in (F, B, W):
                 i = self.next[kind][s]
@@ -114,7 +122,8 @@ class _Run:
                 at = self.arrival(kind, s, i)
                 if at < 0:
                     continue
-                k = (int(w_fills and kind == W and live < limit),) + key(kind, s, i)
+                k = ((-(warm and kind == F),) + ((w_rank[live >= limit][kind == W],) if w_rank else ())
+                     + key(kind, s, i))
                 if at > now:
                     coming.append((at, k if look else ()))
                 elif best_key is None or k < best_key:
@@ -127,6 +136,7 @@ class _Run:
         self.ended[kind][s][i], self.free_at[r] = end, end
         self.next[kind][s] += 1
         self.live[r] += (kind == F) - (kind == W)
+        self.forwards[r] += kind == F
         self.rows[r].append(Action(s, kind, i))
         self.remaining -= 1
         self.makespan = max(self.makespan, end)

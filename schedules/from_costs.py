@@ -18,7 +18,8 @@ from __future__ import annotations
 # - **A small search over urgencies**: which of a rank's F and B passes (per stage of the rank) go
 #   first is not knowable in advance for uneven costs, so every ordering of those classes is tried
 #   (24 for two stages per rank; a structured few beyond), each with microbatches taken oldest
-#   first or class first, with W passes either filling gaps only or taking turns. The best four
+#   first or class first, with W passes filling gaps, freeing memory first at the limit, or in
+#   turn (``list_schedule``'s ``w_mode``). The best four
 #   are run again at one below the memory limit (holding back a warm-up forward sometimes shortens
 #   the cool-down), with patience (a rank waits for a more urgent action arriving within half or
 #   all of the ready one's duration: what a slow link needs) and with or without room reserved for
@@ -49,6 +50,7 @@ from schedules.table import Table
 __all__ = ["CostsOption", "build_from_costs", "costs_of", "option_costs", "order_for", "parse_times", "rank_limits"]
 
 CostsOption = Costs | Sequence[object] | None  # what a schedule's ``costs=`` option takes
+_W_MODES = ("fill", "free", "key")  # see list_schedule
 _REFINE = 4  # the best urgency orders tried again under other memory limits, patience and reservation
 
 
@@ -162,12 +164,13 @@ def build_from_costs(
         return span, len(seeds) + n, table
 
     keys = _keys(stage_to_rank)
-    first = [run(n, live_limit, key, w_fills=fills)
-             for n, (key, fills) in enumerate(itertools.product(keys, (True, False)))]
+    first = [run(n, live_limit, key, w_mode=mode)
+             for n, (key, mode) in enumerate(itertools.product(keys, _W_MODES))]
     ranked = sorted((r for r in first if r is not None), key=lambda r: r[:2])
     lower = tuple(x - 1 for x in live_limit)
     limits = [live_limit] + ([lower] if min(lower) > local else [])
-    second = [run(n, limit, keys[n // 2], w_fills=n % 2 == 0, patience=wait, reserve=hold)
+    second = [run(n, limit, keys[n // len(_W_MODES)], w_mode=_W_MODES[n % len(_W_MODES)], patience=wait,
+                  reserve=hold)
               for _, n, _ in ((s, i - len(seeds), t) for s, i, t in ranked[:_REFINE])
               for limit, wait, hold in itertools.product(limits, (0.0, 0.5, 1.0), (True, False))]
     found += ranked + [r for r in second if r is not None]
