@@ -13,9 +13,13 @@
     PYTHONPATH=. torchrun --nproc_per_node 4 benchmarks/gpu_pipeline.py --dp 2 --no-one-gpu
     # CPU smoke test (gloo, fp32, d=64, 2 blocks, seq 32; --layers 8 for 8 stages)
     PYTHONPATH=. torchrun --nproc_per_node 2 --master-port 29511 benchmarks/gpu_pipeline.py --tiny
+    # the schedule library side by side with PyTorch's same-named schedules (p = 2; 4 with four GPUs), and
+    # schedule="auto" (the planner's pick, its candidates printed with the plan)
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/gpu_pipeline.py --no-one-gpu \
+        --schedules looped-bfs,interleaved-zb,zbv,dualpipev,auto --torch-schedules looped-bfs,interleaved-zb,zbv,dualpipev
 
 PyTorch's side (benchmarks/torch_pp_baseline.py): Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble with an even hand split of the blocks, its documented
+ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV with an even hand split of the blocks, its documented
 practice; with --dp its stages are wrapped in DDP (the zero-bubble ones all-reduce by hand: their
 backward bypasses DDP's hooks).
 
@@ -176,7 +180,7 @@ def run_fnpipe(b: Bench, schedule: str, *, alone: bool = False, compiler: str = 
         step = alone_step(b, schedule, compiler=compiler)
     else:
         layout = {"dp": b.args.dp} if b.args.dp > 1 else {}
-        if schedule == "interleaved-1f1b":
+        if schedule in ("interleaved-1f1b", "looped-bfs", "interleaved-zb"):
             layout["stages_per_rank"] = b.args.stages_per_rank
         step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
                                   timeout=b.args.timeout, calibrate=b.args.calibrate or False, compiler=compiler,
