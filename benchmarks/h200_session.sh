@@ -6,10 +6,12 @@
 #   bash benchmarks/h200_session.sh profile   # 1 GPU, then 2: one stage kernel by kernel, and inductor on base
 #   bash benchmarks/h200_session.sh examples  # 2 GPUs: examples/train_gpt.py under torchrun and mpirun
 #   bash benchmarks/h200_session.sh four      # 4 GPUs: NCCL equivalence, depth 4, then DP2 x PP2
+#   bash benchmarks/h200_session.sh schedlib  # 2 GPUs: the schedule library beside PyTorch's same-named schedules,
+#                                             # schedule="auto", and the dualpipev overlap trace (4 GPUs: P=4 too)
 # Writes JSON and the log under $OUT (else out/); each step has its own time limit, so one hang does not
 # take the others with it. The tables come last in the log.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|inductor|profile|examples|four}
+part=${1:?usage: h200_session.sh two|inductor|profile|examples|four|schedlib}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
 mkdir -p "$out" "$cal"
@@ -58,7 +60,19 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       bench 180 4 29517 --dp 2 --calibrate "$cal/cal_base.json" --schedules 1f1b,zb-h1 --torch-schedules 1f1b,gpipe \
         --out "$out/bench_dp2.json"
       ;;
-    *) echo "unknown part $part (two, inductor, profile, examples or four)"; exit 2 ;;
+    schedlib)  # at most 240 + 120 (+ 240 with four GPUs) s
+      gpus=$(nvidia-smi -L | wc -l)
+      bench 240 2 29521 --calibrate "$cal/cal_base.json" --no-one-gpu \
+        --schedules 1f1b,looped-bfs,interleaved-zb,zbv,dualpipev,auto \
+        --torch-schedules 1f1b,looped-bfs,interleaved-zb,zbv,dualpipev --out "$out/bench_schedlib_p2.json"
+      OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
+      if [ "$gpus" -ge 4 ]; then
+        bench 240 4 29523 --calibrate "$cal/cal_base.json" --no-one-gpu \
+          --schedules 1f1b,looped-bfs,interleaved-zb,zbv,dualpipev,auto \
+          --torch-schedules 1f1b,looped-bfs,interleaved-zb,zbv,dualpipev --out "$out/bench_schedlib_p4.json"
+      fi
+      ;;
+    *) echo "unknown part $part (two, inductor, profile, examples, four or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"
