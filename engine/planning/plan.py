@@ -109,10 +109,6 @@ def _tupled(value: Any) -> Any:
     return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
-def _option(key: str, value: Any) -> str:
-    return "costs=the stages' F/B/W and transfer times" if key == "costs" else f"{key}={value}"
-
-
 _COLUMNS = (("stage", 5), ("rank", 4), ("eqns", 9), ("modules", 26), ("params M", 8), ("GFLOP", 8),
             ("fwd ms", 7), ("bwd ms", 7), ("act", 9), ("peak", 9), ("send", 9))
 _NAMES = 3  # the one left-aligned column
@@ -135,7 +131,7 @@ def format_plan(plan: Plan) -> str:
     """A table of the stages (RaNNC-style log: per stage its equations, modules, size, time, memory and
     traffic per microbatch), then the layout and the predicted step."""
     lines = [_cells(tuple(name for name, _ in _COLUMNS)), *(_cells(_row(s)) for s in plan.stages)]
-    opts = "".join(f", {_option(k, v)}" for k, v in plan.schedule_options)
+    opts = "".join(f", {k}={v}" for k, v in plan.schedule_options if k != "costs")
     limit = nbytes(plan.memory_limit) if plan.memory_limit else "none"
     ranks = ", ".join(nbytes(m) for m in plan.rank_memory) or "-"
     lines += [
@@ -145,6 +141,8 @@ def format_plan(plan: Plan) -> str:
         f"bubble {plan.bubble_fraction:.1%}",
         f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; planned peak per rank {ranks}",
     ]
+    if dict(plan.schedule_options).get("costs") is not None:
+        lines.append(f"{plan.schedule} order built for the stages' F, B, W and transfer times (schedules.from_costs)")
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
     if plan.considered:

@@ -91,7 +91,7 @@ def test_interleaved_needs_microbatches_in_groups_of_the_ranks() -> None:
 
 def test_one_stage_per_rank_schedule_refuses_stages_per_rank() -> None:
     with pytest.raises(PlanError, match=r"'1f1b' runs one stage per rank; stages_per_rank=2 needs one of "
-                                        r"\['interleaved-1f1b', 'zbv'\]"):
+                                        r"\['dualpipev', 'interleaved-1f1b', 'interleaved-zb', 'looped-bfs', 'zbv'\]"):
         plan(models.loss_fn, PARAMS, *BATCH, world_size=2, stages=4, stages_per_rank=2)
 
 
