@@ -51,7 +51,7 @@ def dualpipev(num_stages: int, num_microbatches: int, **options: object) -> Tabl
     rows = [_rank_order(r, p, num_microbatches) for r in range(p)]
     fixed = Table(num_stages, num_microbatches, placement, rows)
     built = order_for("dualpipev", fixed, chosen, default_live=(2 * p + 1,) * p)
-    if built is fixed:
+    if built == fixed:  # equal, not identical: build_from_costs caches
         return fixed
     fused = fuse_adjacent(built)
     costs = costs_of(parse_times("dualpipev", option_costs(chosen, 2), num_stages))

@@ -16,12 +16,11 @@ from benchmarks.torch_orders import per_position
 pytestmark = pytest.mark.skipif(torch_table("zbv", 2, 4) is None, reason="this torch has no schedule visualizer")
 warnings.filterwarnings("ignore", module="torch.distributed.pipelining")
 
-# Cells where PyTorch's hand-built order still wins (a greedy does not plan the warm-up around transfers, nor
-# interleaved-zb's loop with B != F): fnpipe / torch is pinned at most at today's ratio, so it can only improve.
+# Cells where PyTorch's hand-built order still wins (interleaved-zb with B != F: a greedy does not find its loop's
+# steady state): fnpipe / torch is pinned at most at today's ratio, so it can only improve.
 KNOWN_SLOWER = {
-    ("interleaved-zb", 2, 4, "F1 B2 W1"): 1.03, ("interleaved-zb", 2, 4, "uneven"): 1.055,
-    ("interleaved-zb", 2, 4, "slow link"): 1.15, ("interleaved-zb", 4, 8, "F1 B2 W1"): 1.015,
-    ("interleaved-zb", 4, 8, "slow link"): 1.29, ("zbv", 4, 8, "slow link"): 1.07,
+    ("interleaved-zb", 2, 4, "F1 B2 W1"): 1.03, ("interleaved-zb", 2, 4, "uneven"): 1.035,
+    ("interleaved-zb", 4, 8, "F1 B2 W1"): 1.015,
 }
 
 
