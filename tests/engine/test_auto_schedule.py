@@ -49,6 +49,7 @@ def test_zero_bubble_orders_are_built_from_the_plan_costs() -> None:
     params = init_params(GPT, torch.bfloat16, "meta")
     tokens, targets = example_batch(GPT, 32, "meta")
     zbv = plan(make_loss_fn(GPT), params, tokens, targets, world_size=4, device="h100", microbatches=8, schedule="zbv")
+    assert Plan.from_json(zbv.to_json()) == zbv  # the costs come back as the tuples the plan holds
     options = dict(zbv.schedule_options)
     forward, backward, weight, transfer = options["costs"]
     assert len(forward) == zbv.num_stages and max(forward) == 1.0  # in units of the slowest forward
