@@ -285,7 +285,8 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
     (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
-    anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
+    anything else with ir.TraceError). `schedule="auto"` plans every built-in schedule and keeps the fastest
+    (engine/planning/auto.py). Other options: `world_size` (1), `schedule` ("1f1b"),
     `stages_per_rank`, `link`, `memory_model`, `calibration`. Raises PlanError for counts that do not fit
     the world or batch, SplitError when nothing fits memory. `search` takes the same and also returns
     the graph, stage programs and lowered table it made on the way.
