@@ -18,7 +18,9 @@ COUNTERPARTS: dict[str, tuple[str, int]] = {
 }
 ZERO_BUBBLE = ("zb-h1", "zbv", "interleaved-zb", "dualpipev")
 _V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-_KIND = {"F": schedules.F, "I": schedules.B, "W": schedules.W, "B": schedules.BW}  # torch's FULL_BACKWARD is "B"
+# torch's computation types by name (their values changed across releases; FULL_BACKWARD is fnpipe's BW)
+_KIND = {"FORWARD": schedules.F, "BACKWARD_INPUT": schedules.B, "BACKWARD_WEIGHT": schedules.W,
+         "FULL_BACKWARD": schedules.BW}
 
 
 def zero_bubble(name: str) -> bool:
@@ -59,7 +61,7 @@ def torch_table(name: str, p: int, m: int) -> Table | None:
 
 def _kind(action: Any) -> str:
     kind = action.computation_type
-    return str(getattr(kind, "value", kind))
+    return str(getattr(kind, "name", kind))
 
 
 @attrs.frozen
