@@ -132,8 +132,10 @@ class Candidates:
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
         mems = [s.memory(memory, split_bw=splits_bw(table)) for s in stages]
+        # dp: the flat grad all-reduce's copy; with ZeRO-1 the program holds none (the optimizer reduce-scatters)
+        summed = 1 if memory.zero else layout.dp
         peaks = with_allreduce(rank_peaks(table, mems, memory, sim), table, mems,
-                               [s.param_bytes for s in stages], memory, layout.dp)  # dp: the flat grad sum
+                               [s.param_bytes for s in stages], memory, summed)
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
                          allreduce, peaks, tuple(s.recompute for s in stages),
                          stage_peaks(table, mems, memory, sim), tuple(s.remat for s in stages),

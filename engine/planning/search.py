@@ -181,9 +181,9 @@ def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequenc
         size = layout.microbatch_size(planner.batch_size)
         try:
             table = planner.table(layout)
+            if _over_without_recompute(planner, layout, table, size, cuts):
+                planner.shard_instead(layout)  # ZeRO-1 "auto" before recomputation: it costs no compute
             cand = _fixed_recompute(planner, layout, table, size, cuts)
-            if max(cand.rank_memory) > planner.limit and planner.shard_instead(layout):  # ZeRO-1 "auto"
-                cand = _fixed_recompute(planner, layout, table, size, cuts)
         except (schedules.ScheduleError, ir.IRError) as err:
             raise PlanError(f"cuts {list(cuts)} with {_describe(layout)}: {err}") from err
         if max(cand.rank_memory) > planner.limit:
@@ -193,6 +193,18 @@ def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequenc
     if best is None:
         raise SplitError("; ".join(reasons))
     return best
+
+
+def _over_without_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
+                            cuts: Sequence[int]) -> bool:
+    """Whether the cuts overflow a rank with no more recomputation than asked (only probed where
+    shard_optimizer="auto" could still shard this layout)."""
+    recipe = planner.memory.recipe
+    if recipe is None or recipe.shard_optimizer != "auto" or layout.dp == 1:
+        return False
+    levels: list[bool | str] = [planner.recompute is True] * layout.num_stages
+    cand = planner.evaluate(layout, planner.exact(size, cuts, levels), table)
+    return max(cand.rank_memory) > planner.limit
 
 
 def _fixed_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
