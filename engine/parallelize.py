@@ -78,7 +78,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 plan_cache: str | os.PathLike | None = None,
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
                 compute_dtype: torch.dtype | None = None, compiler: str = "fx", has_aux: bool = False,
-                check_inputs: str = "first") -> Step:
+                check_inputs: str = "first", min_microbatch_size: int | None = None) -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
@@ -88,7 +88,9 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     `has_aux=True` a pair `(loss, aux)`: the step then returns `((loss, aux), grads)`, each aux leaf averaged
     over the microbatches like the loss and given to every rank (README, "The contract"). Each call checks
     this rank's params and batch against the plan (engine.InputError); `check_inputs` ("first", "every",
-    "never") is when the ranks also compare fingerprints of their batch and params.
+    "never") is when the ranks also compare fingerprints of their batch and params. `min_microbatch_size`
+    (rows) is the smallest microbatch the planner may make (PlanError if the counts given force smaller);
+    None: 16 for BatchNorm in train mode (engine/training/batchnorm.py), 1 otherwise.
     `plan_cache` (a directory, or a .json deployment file) reuses a plan made for the same model,
     world, schedule and options instead of planning again (engine.planning.cache). `calibrate=True` times
     every op of the model once on rank 0's device before splitting, so the split balances measured
@@ -113,7 +115,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                        plan_cache=plan_cache, calibrate=calibrate, options=dict(
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
-                           recompute=recompute, has_aux=has_aux))
+                           recompute=recompute, has_aux=has_aux, min_microbatch_size=min_microbatch_size))
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     return _checked(step, planned.entry)

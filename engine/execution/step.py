@@ -177,6 +177,8 @@ class Step:
         out = [grads.get(pid) if pid in local else None for pid in range(len(leaves))]
         if self.has_aux:
             loss = pytree.tree_unflatten([loss, *self.executor.aux], self.graph.out_tree)
+            if self.planned.finish is not None:  # a deferred aux: finished on the average of every microbatch's part
+                loss = (loss[0], self.planned.finish(loss[1], m * dp))
         return loss, pytree.tree_unflatten(out, tree)
 
     def gather(self, tree: Any) -> Any:

@@ -23,6 +23,7 @@ from ..progress import track
 from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
 from .calibration import Calibration
 from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size_of, schedule_options
+from .floor import above_floor, floor_of
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .layout import Layout, layouts
 from ..units import nbytes
@@ -226,7 +227,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
-           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False) -> Planned:
+           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
+           min_microbatch_size: int | None = None) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them."""
@@ -244,6 +246,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
         stages = len(cuts) + 1
     v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
     candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
+    candidates = above_floor(candidates, batch_size_of(example_batch), *floor_of(fn, min_microbatch_size),
+                             auto=not isinstance(microbatches, int))
     # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
     workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
     planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
@@ -271,7 +275,8 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     name ("h100", "h200", "cpu", "cuda") whose memory is the default `memory_limit` (bytes per rank).
     `recompute` is activation recomputation per stage (F keeps only the stage's outputs, B redoes the
     forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
-    (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
+    (`plan.recompute` says which). `min_microbatch_size`: no layout splits the batch into microbatches of
+    fewer rows (engine.planning.floor; 16 by default for BatchNorm in train mode). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
     anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
     `stages_per_rank`, `link`, `memory_model`, `calibration`. Raises PlanError for counts that do not fit
@@ -289,4 +294,4 @@ def _chosen(planner: Candidates, cand: Candidate) -> Planned:
                        [k for k, r in enumerate(p.recompute) if r], nbytes(p.memory_limit or 0))
     size = p.microbatch_size
     return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute),
-                   lowered_table(p, planner.build))
+                   lowered_table(p, planner.build), planner.workshop.finish)
