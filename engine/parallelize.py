@@ -118,6 +118,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                            recompute=recompute, has_aux=has_aux, min_microbatch_size=min_microbatch_size))
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
+    step.forward = getattr(loss_fn, "forward", None)  # engine.functionalize's eval-mode forward (step.evaluate)
     return _checked(step, planned.entry)
 
 

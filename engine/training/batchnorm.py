@@ -110,7 +110,7 @@ def finish(layers: dict[str, _BatchNorm]) -> Callable[[Any, int], dict[str, Any]
         for name, dtype in dtypes.items():
             got = _leaf(partial["bn"], name)
             mean, var, fs, gd = got["moments"].unbind(0)
-            n = round(float(got["counts"][0])) * parts
+            n = torch.round(got["counts"][0]).to(var.dtype) * parts  # a tensor: the function stays traceable
             new_var = var + fs / (n - 1) - (n / (n - 1)) * gd * gd
             tracked = torch.round(got["counts"][1]).to(torch.int64)
             _put(out, name, {"running_mean": mean.to(dtype), "running_var": new_var.to(dtype),

@@ -49,6 +49,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from ..errors import ModuleError
 from . import batchnorm
 from .batchnorm import updated
+from .forward import eval_forward
 
 __all__ = ["ModuleError", "check_module", "flat_names", "functionalize", "load_into", "updated"]
 
@@ -89,6 +90,7 @@ def functionalize(module: nn.Module, loss: Callable[..., torch.Tensor] | None = 
     if layers:  # (loss, partial statistics) per microbatch, finished into running statistics per step
         fn = batchnorm.stateful(fn, layers, fn.__name__)
         fn.__signature__ = _signature(loss, inputs)  # type: ignore[attr-defined]
+    fn.forward = eval_forward(module, flat_names)  # type: ignore[attr-defined]  # what step.evaluate runs
     return fn, variables
 
 

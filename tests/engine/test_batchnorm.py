@@ -148,3 +148,5 @@ def test_batchnorm_under_mpirun() -> None:
                   "tests/mpi/batchnorm.py"], timeout=400, env=job_env())
     ok = set(re.findall(r"^OK rank (\d) bn (\S+) dp (\d)", out, flags=re.M))
     assert ok == {(str(r), s, str(d)) for r in range(2) for s in SCHEDULES for d in (1, 2)}, out
+    evals = set(re.findall(r"^OK rank (\d) eval dp (\d)", out, flags=re.M))
+    assert evals == {(str(r), str(d)) for r in range(2) for d in (1, 2)}, out

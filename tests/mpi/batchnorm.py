@@ -5,12 +5,15 @@ per check and rank, raises (and so aborts the job) on a mismatch.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import engine
 from engine.testing import assert_parallel_equivalent
+from engine.training.module import updated
 
 
 def bn_net(width: int = 4, classes: int = 5) -> nn.Module:
@@ -45,6 +48,20 @@ def main() -> None:
                                             microbatches=2)
             print(f"OK rank {rank} bn {schedule} dp {dp} leaves {eq.leaves} max rel err {eq.max_rel_error:.2e}",
                   flush=True)
+    net = bn_net()
+    want = copy.deepcopy(net).eval()(x).detach()
+    for dp in (1, 2):
+        step = engine.parallelize(fn, variables, x, y, microbatches=2, dp=dp, has_aux=True, min_microbatch_size=1)
+        local = step.shard(variables)
+        (_, state), _ = step(local, x, y)
+        logits = step.evaluate(local, x)  # the running statistics given in: those the module holds
+        err = float((logits - want).abs().max())
+        if err > 1e-12:
+            raise AssertionError(f"rank {rank} evaluate dp {dp}: max abs err {err}")
+        after = step.evaluate(updated(local, state), x, gather="local")
+        if (after is not None) != (step.position == step.plan.pipeline_depth - 1):
+            raise AssertionError(f"rank {rank}: gather='local' gave {type(after)}")
+        print(f"OK rank {rank} eval dp {dp} max abs err {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":
