@@ -13,6 +13,10 @@ torchrun (torch.distributed initialised, or a launcher's WORLD_SIZE > 1) the rea
     def test_my_model(spec):
         assert_parallel_equivalent(loss_fn, params, x, y, plan=spec)
 
+A function with state (`engine.functionalize` of a module with BatchNorm in train mode, any `ir.deferred`
+function) is checked against its microbatched reference instead (`engine.testing.stateful`): loss and grads
+averaged over the plan's microbatches x dp, and every rank's returned state against the full-step update.
+
 Tolerances are per dtype (see `engine.testing.mismatch`). A failure raises `ParallelMismatch` (an
 AssertionError) reporting the first differing leaf by key path with its errors and values, the model
 description, the plan, the schedule and every rank's program listing.

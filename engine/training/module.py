@@ -25,7 +25,8 @@ module's output is the loss and every batch argument goes to the module.
 BatchNorm in train mode is state, as in Flax: `fn` then returns `(loss, {"buffers": new running
 statistics})` (pass has_aux=True to parallelize; merge with `updated(variables, state)`), normalises each
 microbatch with its own batch statistics and updates the running statistics as one full-batch forward
-would, whatever the layout (engine/training/batchnorm.py says exactly how).
+would, whatever the layout (engine/training/batchnorm.py says exactly how). `fn.forward(variables, *inputs)`
+is the module's eval-mode forward (its outputs, not a loss): what `step.evaluate` runs on the same plan.
 
 What is refused (ModuleError, at `functionalize` time or when the function is first traced/called):
   - Instance norm with track_running_stats in train mode (its running statistics are not supported).
