@@ -13,6 +13,8 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+import ir
+
 
 from .errors import PlanError, require_function
 from .execution import launch
@@ -106,7 +108,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     """
     require_function(loss_fn, "engine.parallelize")
     if compute_dtype is not None:
-        loss_fn = mixed_precision(loss_fn, compute_dtype)
+        loss_fn = _mixed(loss_fn, compute_dtype)
     _check_options(compiler, check_inputs)
     build = schedule_builder(schedule)
     world = launch.init(timeout)
@@ -120,6 +122,18 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     step.forward = getattr(loss_fn, "forward", None)  # engine.functionalize's eval-mode forward (step.evaluate)
     return _checked(step, planned.entry)
+
+
+def _mixed(fn: Callable, dtype: torch.dtype) -> Callable:
+    """`mixed_precision(fn)`, keeping what the function carries: a deferred aux's halves (BatchNorm's running
+    statistics: the microbatch half runs in `dtype`, the finish as it is) and its eval-mode forward."""
+    halves = ir.deferred_of(fn)
+    out = mixed_precision(fn, dtype) if halves is None else ir.deferred(
+        mixed_precision(halves.local, dtype), halves.finish, name=getattr(fn, "__name__", None),
+        min_microbatch=halves.min_microbatch, why=halves.why)
+    if getattr(fn, "forward", None) is not None:
+        out.forward = fn.forward  # type: ignore[attr-defined]
+    return out
 
 
 def _checked(step: Step, entry: plancache.CachedPlan | None) -> Step:

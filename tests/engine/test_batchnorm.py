@@ -150,3 +150,20 @@ def test_batchnorm_under_mpirun() -> None:
     assert ok == {(str(r), s, str(d)) for r in range(2) for s in SCHEDULES for d in (1, 2)}, out
     evals = set(re.findall(r"^OK rank (\d) eval dp (\d)", out, flags=re.M))
     assert evals == {(str(r), str(d)) for r in range(2) for d in (1, 2)}, out
+
+
+def test_mixed_precision_keeps_the_running_statistics_full_step() -> None:
+    """compute_dtype=bfloat16: the microbatch half runs in bf16, the statistics still combine over the step."""
+    net = bn_net().float()
+    fn, variables = engine.functionalize(net.train(), loss=F.cross_entropy)
+    x, y = batch()
+    step = engine.parallelize(fn, variables, x.float(), y, microbatches=4, has_aux=True, min_microbatch_size=1,
+                              compute_dtype=torch.bfloat16)
+    assert step.planned.finish is not None  # the statistics are combined over the step, not finished per microbatch
+    (loss, state), _ = step(step.shard(variables), x.float(), y)
+    _, ref = fn(variables, x.float(), y)  # float32, one microbatch: the first layer's statistics are the same
+    got, want = state["buffers"]["1"], ref["buffers"]["1"]
+    assert loss.dtype == torch.float32 and got["running_var"].dtype == torch.float32
+    assert torch.allclose(got["running_mean"], want["running_mean"], rtol=2e-2, atol=2e-2)
+    assert torch.allclose(got["running_var"], want["running_var"], rtol=2e-2, atol=2e-2)
+    assert step.evaluate(step.shard(variables), x.float()).shape == (16, 5)
