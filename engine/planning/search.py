@@ -15,20 +15,28 @@ forward; with memory to spare no stage recomputes anything.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ir
 import schedules
 
 from ..errors import PlanError, SplitError, require_function
 from ..progress import track
+from ..units import nbytes
 from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
 from .auto import AUTO, search_auto
 from .calibration import Calibration
-from .candidates import MULTI_STAGE_SCHEDULES, V_SHAPED, Candidate, Candidates, batch_size_of
+from .candidates import (
+    MULTI_STAGE_SCHEDULES,
+    V_SHAPED,
+    Candidate,
+    Candidates,
+    batch_size_of,
+)
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
+from .floor import above_floor, floor_of
 from .layout import Layout, layouts
-from ..units import nbytes
 from .memory import MemoryModel, rank_terms, with_recipe
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
@@ -257,7 +265,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
            build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
-           fused_recompute: bool = False, recipe: Recipe | None = None) -> Planned:
+           fused_recompute: bool = False, recipe: Recipe | None = None,
+           min_microbatch_size: int | None = None) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them.
@@ -269,7 +278,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
                            microbatches=microbatches, memory_limit=memory_limit, device=device,
                            stages_per_rank=stages_per_rank, cuts=cuts, link=link, memory_model=memory_model,
                            calibration=calibration, recompute=recompute, has_aux=has_aux,
-                           fused_recompute=fused_recompute, recipe=recipe,
+                           fused_recompute=fused_recompute, recipe=recipe, min_microbatch_size=min_microbatch_size,
                            workshop=workshop or Workshop(fn, params, example_batch, device=get_device(device).kind,
                                                          has_aux=has_aux))
     profile = get_device(device)
@@ -286,6 +295,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
         stages = len(cuts) + 1
     v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
     candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
+    candidates = above_floor(candidates, batch_size_of(example_batch), *floor_of(fn, min_microbatch_size),
+                             auto=not isinstance(microbatches, int))
     # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
     workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
     memory = with_recipe(memory_model, recipe_of(recipe), params)
@@ -315,7 +326,8 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     name ("h100", "h200", "cpu", "cuda") whose memory is the default `memory_limit` (bytes per rank).
     `recompute` is activation recomputation per stage (F keeps only the stage's outputs, B redoes the
     forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
-    (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
+    (`plan.recompute` says which). `min_microbatch_size`: no layout splits the batch into microbatches of
+    fewer rows (engine.planning.floor; 16 by default for BatchNorm in train mode). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
     anything else with ir.TraceError). `schedule="auto"` plans every built-in schedule and keeps the fastest
     (engine/planning/auto.py). Other options: `world_size` (1), `schedule` ("1f1b"),
@@ -337,4 +349,4 @@ def _chosen(planner: Candidates, cand: Candidate) -> Planned:
                            nbytes(p.memory_limit or 0))
     size = p.microbatch_size
     return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute, p.remat),
-                   lowered_table(p, planner.build))
+                   lowered_table(p, planner.build), planner.workshop.finish)

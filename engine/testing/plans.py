@@ -117,7 +117,7 @@ class PlanSpec:
         if cuts is None or planner:
             return search(fn, params, *batch, world_size=self.world_size, schedule=self.schedule, stages=self.stages,
                           dp=self.dp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank,
-                          cuts=cuts or None, workshop=workshop_of(fn, params, batch)).plan
+                          cuts=cuts or None, workshop=workshop_of(fn, params, batch), min_microbatch_size=1).plan
         return _hand_plan(self, graph, cuts, _batch_size(batch) // parts)
 
 
