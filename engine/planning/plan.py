@@ -41,10 +41,14 @@ class StagePlan:
 
 @attrs.frozen
 class Plan:
-    """Stages, placement and schedule for one model on `world_size = pipeline_depth · dp` ranks.
+    """Stages, placement and schedule for one model on `world_size = sum(replicas) · dp` ranks.
 
-    World rank r is replica r // pipeline_depth at pipeline position r % pipeline_depth; stage s runs
-    on pipeline position `table.rank_of(s)`.
+    `replicas[q]` ranks run pipeline position q (all ones: `world_size = pipeline_depth · dp`, world rank r
+    is replica r // pipeline_depth at position r % pipeline_depth). Unequal counts route each of the
+    `microbatches` of a dp replica to one rank of each position (`schedules.Replicas`: world rank
+    `d · sum(replicas) + sum(replicas[:q]) + k` is replica k of position q in dp replica d). Stage s runs
+    on pipeline position `table.rank_of(s)`. `equal_step_time` is the best prediction with equal replicas
+    when the planner chose unequal ones (0 otherwise).
     """
 
     schedule: str
@@ -72,14 +76,27 @@ class Plan:
         default=attrs.Factory(lambda self: (False,) * self.num_stages, takes_self=True),
         converter=lambda flags: tuple(bool(f) for f in flags))
 
+    replicas: tuple[int, ...] = attrs.field(
+        default=attrs.Factory(lambda self: (1,) * self.pipeline_depth, takes_self=True),
+        converter=lambda counts: tuple(int(c) for c in counts))
+    equal_step_time: float = 0.0
+
     def __attrs_post_init__(self) -> None:
+        if len(self.replicas) != self.pipeline_depth or min(self.replicas, default=1) < 1:
+            raise PlanError(f"replicas {self.replicas} must give one count >= 1 for each of the {self.pipeline_depth} "
+                            "pipeline positions (or leave it out: one each)")
         if len(self.recompute) != self.num_stages:
             raise PlanError(f"recompute has {len(self.recompute)} flags for {self.num_stages} stages; give one "
                             "bool per stage (or leave it out: no recomputation)")
 
     @property
     def world_size(self) -> int:
-        return self.pipeline_depth * self.dp
+        return sum(self.replicas) * self.dp
+
+    @property
+    def routing(self) -> schedules.Replicas:
+        """How the ranks of one dp replica run the pipeline positions (`schedules.Replicas`)."""
+        return schedules.Replicas(self.replicas)
 
     def table(self) -> schedules.Table:
         """The (unlowered) schedule table of this plan."""
@@ -126,8 +143,9 @@ def format_plan(plan: Plan) -> str:
     limit = nbytes(plan.memory_limit) if plan.memory_limit else "none"
     ranks = ", ".join(nbytes(m) for m in plan.rank_memory) or "-"
     lines += [
-        f"{plan.schedule}{opts}: {plan.num_stages} stages on {plan.pipeline_depth} ranks x dp {plan.dp} = "
+        f"{plan.schedule}{opts}: {plan.num_stages} stages on {_positions(plan)} x dp {plan.dp} = "
         f"{plan.world_size} ranks; {plan.microbatches} microbatches of {plan.microbatch_size}",
+        *_replica_lines(plan),
         f"predicted step {plan.predicted_step_time * 1e3:.2f} ms (dp all-reduce {plan.allreduce_time * 1e3:.2f} ms), "
         f"bubble {plan.bubble_fraction:.1%}",
         f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; planned peak per rank {ranks}",
@@ -135,6 +153,31 @@ def format_plan(plan: Plan) -> str:
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
     return "\n".join(lines)
+
+
+def _positions(plan: Plan) -> str:
+    if len(set(plan.replicas)) == 1 and plan.replicas[0] == 1:
+        return f"{plan.pipeline_depth} ranks"
+    return f"{plan.pipeline_depth} pipeline ranks replicated {'x'.join(map(str, plan.replicas))} = {sum(plan.replicas)} ranks"
+
+
+def _replica_lines(plan: Plan) -> list[str]:
+    """Where each pipeline position's replicas are, and why the planner chose unequal ones."""
+    if len(set(plan.replicas)) == 1 and plan.replicas[0] == 1:
+        return []
+    routing = plan.routing
+    where = "; ".join(f"pipeline rank {q} x{c} on rank{'s' if c > 1 else ''} "
+                      f"{_span(routing.ranks(q))}" for q, c in enumerate(plan.replicas))
+    lines = [f"replicas per stage: {where} (of dp replica 0); microbatch i runs on replica i mod count"]
+    if plan.equal_step_time > 0:
+        gain = plan.equal_step_time / plan.predicted_step_time - 1 if plan.predicted_step_time > 0 else 0.0
+        lines.append(f"unequal replicas chosen: predicted {plan.predicted_step_time * 1e3:.2f} ms against "
+                     f"{plan.equal_step_time * 1e3:.2f} ms for the best plan with equal replicas ({gain:.0%} faster)")
+    return lines
+
+
+def _span(ranks: range) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
 def fingerprint(items: Any) -> str:

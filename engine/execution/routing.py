@@ -1,0 +1,94 @@
+"""Routing: which world rank runs which pipeline position and microbatches, with replicas per stage.
+
+A plan's world is `dp` pipeline replicas of `sum(plan.replicas)` ranks each. Inside one, pipeline
+position q runs on `plan.replicas[q]` consecutive ranks, and replica k of q runs microbatch i when
+`i % replicas[q] == k` (`schedules.Replicas`): so
+
+    world rank = d * sum(replicas) + sum(replicas[:q]) + k          (dp replica d, position q, replica k)
+
+With one replica everywhere this is today's `d * p + q`, and nothing below changes what such a plan runs.
+The lowered table stays the schedule of the p positions over all microbatches of a dp replica; a rank
+runs its position's row filtered to the microbatches it owns (`Replicas.row`), and each transfer goes to
+the rank of the peer position that owns that microbatch (`world_rank`). Channels and grad groups are
+read off the same routing, so every rank derives them alike without another's program.
+
+Loss and grads stay those of one process: every microbatch runs once, on exactly one rank of each
+position; the loss seed and each added loss are 1/(microbatches x dp) of a microbatch's (the executor's
+rule, unchanged), and each stage's weight grads are summed over all the ranks that hold the stage, its
+replicas in every dp replica (a tied leaf: over every rank of every stage that reads it).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+import schedules
+
+from ..planning.artifacts import StageInfo
+from ..planning.plan import Plan
+
+
+@attrs.frozen
+class Place:
+    """Where a world rank sits: dp replica, pipeline position, and replica of that position."""
+
+    dp_replica: int
+    position: int
+    replica: int
+
+
+def place(plan: Plan, rank: int) -> Place:
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank {rank} is outside the plan's world of {plan.world_size} ranks")
+    group, local = divmod(rank, sum(plan.replicas))
+    position, replica = plan.routing.place(local)
+    return Place(group, position, replica)
+
+
+def world_rank(plan: Plan, dp_replica: int, position: int, microbatch: int) -> int:
+    """The world rank of `dp_replica` that runs `microbatch` at `position`."""
+    return dp_replica * sum(plan.replicas) + plan.routing.rank_of(position, microbatch)
+
+
+def position_ranks(plan: Plan, position: int) -> tuple[int, ...]:
+    """Every world rank that runs `position` (each of its replicas, in every dp replica)."""
+    n = sum(plan.replicas)
+    return tuple(d * n + r for d in range(plan.dp) for r in plan.routing.ranks(position))
+
+
+def row(plan: Plan, table: schedules.Table, rank: int) -> tuple[schedules.Action, ...]:
+    """The lowered actions `rank` runs."""
+    return plan.routing.row(table, rank % sum(plan.replicas))
+
+
+def microbatches(plan: Plan, rank: int) -> tuple[int, ...]:
+    """The microbatches (of its dp replica's `plan.microbatches`) that `rank` runs."""
+    return plan.routing.microbatches(rank % sum(plan.replicas), plan.microbatches)
+
+
+def channels(plan: Plan, table: schedules.Table) -> list[tuple[int, int]]:
+    """Every ordered (sender, receiver) pair of world ranks that exchange tensors."""
+    pairs = set()
+    for me in range(plan.world_size):
+        group = me // sum(plan.replicas)
+        for action in row(plan, table, me):
+            if action.is_comm:
+                peer = world_rank(plan, group, table.rank_of(action.peer_stage), action.microbatch)
+                pairs.add((me, peer) if action.is_send else (peer, me))
+    return sorted(pairs)
+
+
+def grad_groups(plan: Plan, infos: Sequence[StageInfo], table: schedules.Table,
+                num_params: int) -> dict[tuple[int, ...], list[int]]:
+    """World ranks that hold a copy of each param leaf's grad -> the leaves they must sum."""
+    users: dict[int, set[int]] = {}
+    for info in infos:
+        for pid in info.stage.param_ids:
+            users.setdefault(pid, set()).add(table.rank_of(info.stage.index))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for pid in range(num_params):
+        ranks = tuple(sorted(r for q in users.get(pid, {0}) for r in position_ranks(plan, q)))
+        if len(ranks) > 1:
+            groups.setdefault(ranks, []).append(pid)
+    return dict(sorted(groups.items()))
