@@ -22,6 +22,7 @@ from .execution.step import Step, connect, microbatch_example
 from .planning import cache as plancache
 from .planning.artifacts import Planned, Workshop, lowered_table, planned_from
 from .planning.candidates import batch_size_of
+from .planning.replicas import requested as requested_replicas
 from .planning.search import schedule_builder, search
 from .training.precision import mixed_precision
 
@@ -78,7 +79,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 plan_cache: str | os.PathLike | None = None,
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
                 compute_dtype: torch.dtype | None = None, compiler: str = "fx", has_aux: bool = False,
-                check_inputs: str = "first") -> Step:
+                check_inputs: str = "first", replicas: Sequence[int] | str | None = None) -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
@@ -99,13 +100,17 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     params and grads keep theirs (engine.precision.mixed_precision; grads are then those of that function).
     `compiler` runs each stage program as generated fx Python ("fx", the default: eager's kernels, no
     compile time) or compiled by torch.compile's inductor ("inductor": fused kernels, a compile per
-    stage program at the first step). `timeout` (positive seconds) bounds every wait; the step holds
+    stage program at the first step). `replicas` is how many ranks run each pipeline stage, like (2, 1): stage 0
+    on two ranks, each running every other microbatch, stage 1 on one (world = sum x dp); "auto" (the default
+    when stages or dp is "auto") lets the planner choose unequal counts where it predicts a faster step
+    (engine.planning.replicas). `timeout` (positive seconds) bounds every wait; the step holds
     process groups until `step.close()` (or the end of `with engine.parallelize(...) as step:`).
     """
     require_function(loss_fn, "engine.parallelize")
     if compute_dtype is not None:
         loss_fn = mixed_precision(loss_fn, compute_dtype)
     _check_options(compiler, check_inputs)
+    replicas = requested_replicas(replicas)  # before any communication: every rank refuses a bad count alike
     build = schedule_builder(schedule)
     world = launch.init(timeout)
     workshop = Workshop(loss_fn, params, example_batch, device=world.device.type, has_aux=has_aux)
@@ -113,7 +118,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                        plan_cache=plan_cache, calibrate=calibrate, options=dict(
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
-                           recompute=recompute, has_aux=has_aux))
+                           recompute=recompute, has_aux=has_aux, **({} if replicas is None else {"replicas": replicas})))
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     return _checked(step, planned.entry)

@@ -26,7 +26,7 @@ from schedules.perfetto import save_perfetto, to_perfetto
 from schedules.png import save_png
 from schedules.registry import ScheduleFn, get, names, register
 from schedules.render import render_ascii
-from schedules.replicas import Replicas, RoutedRun, simulate_replicated
+from schedules.replicas import ORDERS, Replicas, RoutedRun, lower_replicated, replica_rows, simulate_replicated
 from schedules.simulate import Simulation, simulate
 from schedules.table import Table
 from schedules.table_io import load_table, save_table
@@ -42,5 +42,5 @@ __all__ = [
     "as_timeline", "get", "gpipe", "interleaved_1f1b", "load_table", "lower", "names",
     "one_f_one_b", "register", "render_ascii", "save_perfetto", "save_png", "save_table",
     "simulate", "to_perfetto", "validate", "zb_h1", "zbv",
-    "Replicas", "RoutedRun", "simulate_replicated",
+    "ORDERS", "Replicas", "RoutedRun", "lower_replicated", "replica_rows", "simulate_replicated",
 ]

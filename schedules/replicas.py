@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from schedules.action import BW, Action, B, F, W
+from schedules.action import BW, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W
 from schedules.costs import Costs
 from schedules.errors import ScheduleError
 from schedules.table import Table
 
-__all__ = ["Replicas", "RoutedRun", "simulate_replicated"]
+__all__ = ["ORDERS", "Replicas", "RoutedRun", "lower_replicated", "replica_rows", "simulate_replicated"]
+
+ORDERS = ("split", "own")  # how a replica orders its actions: see `replica_rows`
 
 
 def _counts(value: Sequence[int]) -> tuple[int, ...]:
@@ -32,11 +34,9 @@ class Replicas:
     replica gets the same share when ``counts[q]`` divides the microbatch count, and consecutive
     microbatches start on different replicas at once). A transfer of microbatch ``mb`` goes from the
     replica of the sending position that owns ``mb`` to the one of the receiving position that owns it.
-    A lowered table split this way stays deadlock-free under the runtime's semantics (sends never wait;
-    each ordered pair of ranks is a FIFO channel): splitting only removes order between actions that
-    now run on different ranks, and each pair of ranks sends and receives a subsequence, in the same
-    order, of what its positions exchanged. Local handoffs (zbv's turn of the V) stay on one rank,
-    because every stage of a position is routed by the same rule.
+    Local handoffs (zbv's turn of the V) stay on one rank, because every stage of a position is routed
+    by the same rule. How a replica orders its own actions is `replica_rows`; `lower_replicated` adds
+    the transfers.
     """
 
     counts: tuple[int, ...] = attrs.field(converter=_counts)
@@ -80,9 +80,7 @@ class Replicas:
 
     def check(self, table: Table) -> None:
         """ScheduleError unless there is one count per table rank and each divides the microbatches."""
-        if len(self.counts) != table.num_ranks:
-            raise ScheduleError(f"replicas {self.counts} give {len(self.counts)} counts for a table of "
-                                f"{table.num_ranks} ranks; give one count per pipeline rank")
+        self._check_ranks(table)
         m = table.num_microbatches
         uneven = [q for q, c in enumerate(self.counts) if m % c]
         if uneven:
@@ -91,13 +89,19 @@ class Replicas:
                                 f"rank {q}; use a microbatch count that every replica count divides (a multiple of "
                                 f"{_lcm(self.counts)})")
 
+    def _check_ranks(self, table: Table) -> None:
+        if len(self.counts) != table.num_ranks:
+            raise ScheduleError(f"replicas {self.counts} give {len(self.counts)} counts for a table of "
+                                f"{table.num_ranks} ranks; give one count per pipeline rank")
+
     def row(self, table: Table, rank: int) -> tuple[Action, ...]:
         """The actions `rank` runs: its position's row, kept where it owns the microbatch."""
         position, replica = self.place(rank)
         return tuple(a for a in table.rows[position] if self.owner(position, a.microbatch) == replica)
 
     def rows(self, table: Table) -> tuple[tuple[Action, ...], ...]:
-        self.check(table)
+        """Every rank's actions (replicas of one position may run unequal shares here; `check` refuses that)."""
+        self._check_ranks(table)
         return tuple(self.row(table, r) for r in range(self.num_ranks))
 
     def peer(self, table: Table, action: Action) -> int:
@@ -109,6 +113,82 @@ class Replicas:
 
     def __str__(self) -> str:
         return "x".join(map(str, self.counts))
+
+
+def replica_rows(build: Callable[[int], Table], num_microbatches: int, replicas: Replicas,
+                 order: str = "split") -> tuple[tuple[Action, ...], ...]:
+    """Each rank's compute actions. ``build(m)`` is the schedule for m microbatches (of every position).
+
+    ``split``: replica k runs its position's row of ``build(num_microbatches)``, kept where it owns the
+    microbatch: the schedule's order, and always runnable (it only drops order between ranks). It thins
+    the warm-up, though: a 1F1B position with 2 replicas keeps half its microbatches in flight on each.
+    ``own``: replica k runs its position's row of ``build(num_microbatches / count)`` as a schedule of
+    its own microbatches (local i is microbatch ``k + i * count``): each replica warms up as a whole
+    position would, which is what 1F1B and ZB-H1 need (near GPipe's time at 1F1B's memory), while
+    interleaved schedules lose their interleaving; the planner simulates both and keeps the faster.
+    ScheduleError when ``own`` cannot be built or its rows cannot finish (then use ``split``).
+    """
+    if order not in ORDERS:
+        raise ScheduleError(f"replica order must be one of {ORDERS}, got {order!r}")
+    table = build(num_microbatches)
+    replicas.check(table)
+    if order == "split":
+        return tuple(tuple(a for a in row if a.is_compute) for row in replicas.rows(table))
+    own = {c: build(num_microbatches // c) for c in set(replicas.counts)}
+    rows = []
+    for rank in range(replicas.num_ranks):
+        q, k = replicas.place(rank)
+        c = replicas.counts[q]
+        rows.append(tuple(Action(a.stage, a.kind, k + a.microbatch * c) for a in own[c].rows[q] if a.is_compute))
+    simulate_replicated(table, replicas, rows=rows)  # raises when they cannot finish
+    return tuple(rows)
+
+
+def _messages(table: Table, a: Action) -> tuple[list[Action], list[Action]]:
+    """The receives a compute action needs before it, and the sends it makes after it (across positions)."""
+    s, mb, place, last = a.stage, a.microbatch, table.stage_to_rank, table.num_stages - 1
+    if a.kind == F:
+        return ([Action(s, RECV_F, mb)] if s > 0 and place[s - 1] != place[s] else [],
+                [Action(s, SEND_F, mb)] if s < last and place[s + 1] != place[s] else [])
+    if a.kind in (B, BW):
+        return ([Action(s, RECV_B, mb)] if s < last and place[s + 1] != place[s] else [],
+                [Action(s, SEND_B, mb)] if s > 0 and place[s - 1] != place[s] else [])
+    return [], []
+
+
+def lower_replicated(table: Table, replicas: Replicas,
+                     rows: Sequence[Sequence[Action]]) -> tuple[tuple[Action, ...], ...]:
+    """`rows` (compute only, from `replica_rows`) with their transfers: each send right after what it
+    sends; each receive before what needs it, and on each ordered pair of ranks in the order of the sends
+    (a receive moves earlier when a later-sent message is needed first). The runtime never waits on a
+    send and each pair of ranks is a FIFO channel, so rows that `simulate_replicated` runs to the end
+    cannot deadlock and every receive gets the message it names."""
+    simulate_replicated(table, replicas, rows=rows)
+    sent: dict[tuple[int, int], list[Action]] = {}
+    for rank, row in enumerate(rows):
+        for a in row:
+            for send in _messages(table, a)[1]:
+                sent.setdefault((rank, replicas.peer(table, send)), []).append(send.partner())
+    need: dict[Action, int] = {}
+    for row in rows:
+        for t, a in enumerate(row):
+            need.update((r, t) for r in _messages(table, a)[0])
+    before: dict[int, dict[int, list[Action]]] = {}
+    for (src, dst), order in sent.items():
+        due = len(rows[dst])
+        for receive in reversed(order):  # each receive no later than the next one sent on this channel
+            due = min(due, need[receive])
+            before.setdefault(dst, {}).setdefault(due, []).insert(0, receive)
+    return tuple(_with_messages(table, row, before.get(rank, {})) for rank, row in enumerate(rows))
+
+
+def _with_messages(table: Table, row: Sequence[Action], before: dict[int, list[Action]]) -> tuple[Action, ...]:
+    out: list[Action] = []
+    for t, a in enumerate(row):
+        out += before.get(t, [])
+        out.append(a)
+        out += _messages(table, a)[1]
+    return tuple(out)
 
 
 def _lcm(counts: Sequence[int]) -> int:
@@ -146,13 +226,15 @@ def _dependencies(table: Table, a: Action) -> list[tuple[int, str, int, int]]:
     return deps
 
 
-def simulate_replicated(table: Table, replicas: Replicas, costs: Costs | None = None) -> RoutedRun:
-    """Run the routed rows of an unlowered `table` (communication as transfer times on every dependency
-    between ranks, as ``simulate`` does for unlowered tables; with one replica everywhere it is that run).
-    ScheduleError when the rows cannot finish."""
+def simulate_replicated(table: Table, replicas: Replicas, costs: Costs | None = None, *,
+                        rows: Sequence[Sequence[Action]] | None = None) -> RoutedRun:
+    """Run each rank's compute actions (`rows`, default `replicas.rows(table)`) in order, each as soon as its
+    inputs are there, paying the transfer time on every dependency between ranks (as ``simulate`` does for
+    unlowered tables; with one replica everywhere and no `rows` it is that run). ScheduleError when the
+    rows cannot finish."""
     costs = Costs() if costs is None else costs
     costs.check(table.num_stages, table.num_ranks)
-    rows = [[a for a in row if a.is_compute] for row in replicas.rows(table)]
+    rows = [[a for a in row if a.is_compute] for row in (replicas.rows(table) if rows is None else rows)]
     end: dict[tuple[int, str, int], float] = {}
     waiters: dict[tuple[int, str, int], list[int]] = {}
     pos, clock = [0] * len(rows), [0.0] * len(rows)

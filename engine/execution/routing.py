@@ -7,9 +7,12 @@ position q runs on `plan.replicas[q]` consecutive ranks, and replica k of q runs
     world rank = d * sum(replicas) + sum(replicas[:q]) + k          (dp replica d, position q, replica k)
 
 With one replica everywhere this is today's `d * p + q`, and nothing below changes what such a plan runs.
-The lowered table stays the schedule of the p positions over all microbatches of a dp replica; a rank
-runs its position's row filtered to the microbatches it owns (`Replicas.row`), and each transfer goes to
-the rank of the peer position that owns that microbatch (`world_rank`). Channels and grad groups are
+The table stays the schedule of the p positions over all microbatches of a dp replica. With unequal
+counts a rank runs the compute actions of its microbatches in the order the plan names
+(`schedules.replica_rows`: its position's row filtered, or the schedule of its own share), and
+`schedules.lower_replicated` adds the transfers: each to the rank of the peer position that owns that
+microbatch (`world_rank`), receives in send order on every pair of ranks. With equal counts nothing of
+this runs: a rank runs its position's row of the lowered table, as before. Channels and grad groups are
 read off the same routing, so every rank derives them alike without another's program.
 
 Loss and grads stay those of one process: every microbatch runs once, on exactly one rank of each
@@ -19,7 +22,8 @@ replicas in every dp replica (a tied leaf: over every rank of every stage that r
 """
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Any, Sequence
 
 import attrs
 
@@ -58,8 +62,24 @@ def position_ranks(plan: Plan, position: int) -> tuple[int, ...]:
 
 
 def row(plan: Plan, table: schedules.Table, rank: int) -> tuple[schedules.Action, ...]:
-    """The lowered actions `rank` runs."""
-    return plan.routing.row(table, rank % sum(plan.replicas))
+    """The lowered actions `rank` runs: its position's row of `table` with one rank each, else the routed rows
+    (`schedules.replica_rows` in the plan's order, with their transfers: `schedules.lower_replicated`)."""
+    local = rank % sum(plan.replicas)
+    if all(c == 1 for c in plan.replicas):
+        return table.rows[local]
+    return _routed(plan.schedule, plan.schedule_options, plan.num_stages, plan.microbatches, plan.replicas,
+                   plan.replica_order)[local]
+
+
+@functools.lru_cache(maxsize=16)
+def _routed(schedule: str, options: tuple[tuple[str, Any], ...], num_stages: int, microbatches: int,
+            counts: tuple[int, ...], order: str) -> tuple[tuple[schedules.Action, ...], ...]:
+    def build(m: int) -> schedules.Table:
+        return schedules.get(schedule)(num_stages, m, **dict(options))
+
+    replicas = schedules.Replicas(counts)
+    rows = schedules.replica_rows(build, microbatches, replicas, order)
+    return schedules.lower_replicated(build(microbatches), replicas, rows)
 
 
 def microbatches(plan: Plan, rank: int) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ from ..errors import PlanError, SplitError
 from ..names import abbreviate
 from .artifacts import Workshop, build_table
 from .blocks import Blocks, coarsen
+from . import replicas
 from .layout import Layout
 from .memory import MemoryModel, peak_live, rank_peaks, stage_peaks
 from .op_costs import CostModel
@@ -97,6 +98,8 @@ class Candidates:
     def evaluate(self, layout: Layout, stages: tuple[StageCost, ...], table: schedules.Table, *,
                  fine: bool = False, bounds: tuple[int, ...] = ()) -> Candidate:
         """Simulate `stages` under the layout's schedule; add the dp gradient all-reduce."""
+        if layout.replicated:
+            return replicas.evaluate(self, layout, stages, table, fine=fine, bounds=bounds)
         sim = schedules.simulate(table, schedule_costs(stages, table, self.model, self.memory))
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
@@ -110,6 +113,8 @@ class Candidates:
               ) -> tuple[Partition, tuple[bool, ...]]:
         """The fastest split of this layout's `blocks` whose stages fit their budgets, and which of its
         stages recompute their activations (see `stagecost.split_recompute`)."""
+        if layout.replicated:
+            return replicas.split(self, layout, table, blocks, time_scale, saved_scale, budgets)
         rc = self.recompute_costs(blocks, time_scale, saved_scale)
         budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
         labels = [_block_label(blocks, k) for k in range(blocks.num_blocks)]

@@ -46,7 +46,8 @@ class Plan:
     `replicas[q]` ranks run pipeline position q (all ones: `world_size = pipeline_depth · dp`, world rank r
     is replica r // pipeline_depth at position r % pipeline_depth). Unequal counts route each of the
     `microbatches` of a dp replica to one rank of each position (`schedules.Replicas`: world rank
-    `d · sum(replicas) + sum(replicas[:q]) + k` is replica k of position q in dp replica d). Stage s runs
+    `d · sum(replicas) + sum(replicas[:q]) + k` is replica k of position q in dp replica d), each replica
+    ordering its actions as `replica_order` says (`schedules.replica_rows`). Stage s runs
     on pipeline position `table.rank_of(s)`. `equal_step_time` is the best prediction with equal replicas
     when the planner chose unequal ones (0 otherwise).
     """
@@ -80,11 +81,15 @@ class Plan:
         default=attrs.Factory(lambda self: (1,) * self.pipeline_depth, takes_self=True),
         converter=lambda counts: tuple(int(c) for c in counts))
     equal_step_time: float = 0.0
+    replica_order: str = "split"  # with unequal replicas: how each orders its actions (`schedules.replica_rows`)
 
     def __attrs_post_init__(self) -> None:
         if len(self.replicas) != self.pipeline_depth or min(self.replicas, default=1) < 1:
             raise PlanError(f"replicas {self.replicas} must give one count >= 1 for each of the {self.pipeline_depth} "
                             "pipeline positions (or leave it out: one each)")
+        if any(self.microbatches % c for c in self.replicas):
+            raise PlanError(f"{self.microbatches} microbatches do not split evenly over replicas {self.replicas}: every "
+                            "replica of a stage runs the same share; use a microbatch count every replica count divides")
         if len(self.recompute) != self.num_stages:
             raise PlanError(f"recompute has {len(self.recompute)} flags for {self.num_stages} stages; give one "
                             "bool per stage (or leave it out: no recomputation)")
@@ -158,22 +163,28 @@ def format_plan(plan: Plan) -> str:
 def _positions(plan: Plan) -> str:
     if len(set(plan.replicas)) == 1 and plan.replicas[0] == 1:
         return f"{plan.pipeline_depth} ranks"
-    return f"{plan.pipeline_depth} pipeline ranks replicated {'x'.join(map(str, plan.replicas))} = {sum(plan.replicas)} ranks"
+    return f"{sum(plan.replicas)} ranks (replicas {'x'.join(map(str, plan.replicas))})"
 
 
 def _replica_lines(plan: Plan) -> list[str]:
     """Where each pipeline position's replicas are, and why the planner chose unequal ones."""
     if len(set(plan.replicas)) == 1 and plan.replicas[0] == 1:
         return []
-    routing = plan.routing
-    where = "; ".join(f"pipeline rank {q} x{c} on rank{'s' if c > 1 else ''} "
-                      f"{_span(routing.ranks(q))}" for q, c in enumerate(plan.replicas))
-    lines = [f"replicas per stage: {where} (of dp replica 0); microbatch i runs on replica i mod count"]
+    routing, v = plan.routing, plan.num_stages // plan.pipeline_depth
+    where = ", ".join(f"{_held(plan, q, v)} x{c} on rank{'s' if c > 1 else ''} {_span(routing.ranks(q))}"
+                      for q, c in enumerate(plan.replicas))
+    lines = [f"replicas per stage: {where}{' in dp replica 0' if plan.dp > 1 else ''}; microbatch i runs on replica "
+             f"i mod count, in the {plan.replica_order} order"]
     if plan.equal_step_time > 0:
         gain = plan.equal_step_time / plan.predicted_step_time - 1 if plan.predicted_step_time > 0 else 0.0
         lines.append(f"unequal replicas chosen: predicted {plan.predicted_step_time * 1e3:.2f} ms against "
                      f"{plan.equal_step_time * 1e3:.2f} ms for the best plan with equal replicas ({gain:.0%} faster)")
     return lines
+
+
+def _held(plan: Plan, position: int, v: int) -> str:
+    stages = [s.index for s in plan.stages if s.rank == position] or [position]
+    return f"stage {stages[0]}" if v == 1 else f"stages {','.join(map(str, stages))}"
 
 
 def _span(ranks: range) -> str:

@@ -13,6 +13,7 @@ of the two wins.
 from __future__ import annotations
 
 import logging
+import attrs
 from typing import Any, Callable, Sequence
 
 import ir
@@ -28,6 +29,7 @@ from .layout import Layout, layouts
 from ..units import nbytes
 from .memory import MemoryModel
 from .op_costs import CostModel, graph_hash
+from . import replicas as replicas_mod
 from .plan import Plan, StagePlan
 from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
 
@@ -77,7 +79,7 @@ def _rank_layouts(planner: Candidates, candidates: Sequence[Layout]) -> tuple[li
 
 
 def _describe(layout: Layout) -> str:
-    return (f"{layout.num_stages} stages on {layout.pipeline_depth} ranks x dp {layout.dp}, "
+    return (f"{layout.num_stages} stages on {layout.pipeline_depth} ranks{replicas_mod.describe(layout)} x dp {layout.dp}, "
             f"{layout.microbatches} microbatches")
 
 
@@ -217,7 +219,8 @@ def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
         predicted_step_time=cand.step_time, bubble_fraction=cand.bubble, graph_hash=graph_hash(graph),
         device=planner.model.device.name, memory_limit=int(planner.limit), link=planner.model.link.name,
         microbatch_size=size, num_eqns=len(graph.eqns), allreduce_time=cand.allreduce,
-        rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute)
+        rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute, replicas=layout.counts,
+        replica_order=layout.replica_order)
 
 
 def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedule: str = "1f1b",
@@ -226,7 +229,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
-           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False) -> Planned:
+           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
+           replicas: Sequence[int] | str | None = None) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them."""
@@ -242,8 +246,15 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
         if isinstance(stages, int) and stages != len(cuts) + 1:
             raise PlanError(f"stages={stages} but {len(cuts)} cuts make {len(cuts) + 1} stages; give one or the other")
         stages = len(cuts) + 1
-    v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
-    candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
+    counts = replicas_mod.requested(replicas)
+    if isinstance(counts, tuple):
+        v = _stages_per_rank(schedule, stages_per_rank, stages, 1, len(counts))  # depth: one count per position
+        candidates = replicas_mod.explicit_layouts(counts, world_size, batch_size_of(example_batch), v=v, stages=stages,
+                                                   dp=dp, microbatches=microbatches)
+    else:
+        v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
+        candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp,
+                             microbatches=microbatches)
     # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
     workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
     planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
@@ -252,13 +263,28 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     if cuts is not None:
         return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
     ranked, reasons = _rank_layouts(planner, candidates)
+    best = _first_fitting(planner, ranked, reasons)
+    if counts == replicas_mod.AUTO or (counts is None and replicas_mod.AUTO in (str(stages).lower(), str(dp).lower())):
+        unequal, _ = _rank_layouts(planner, replicas_mod.auto_layouts(planner, world_size, v=v, stages=stages, dp=dp,
+                                                                      microbatches=microbatches))
+        picked = replicas_mod.choose(best, _first_fitting(planner, unequal, reasons))
+        if picked is not None:
+            return _chosen(planner, *picked)
+    if best is None:
+        raise SplitError("no layout fits: " + "; ".join(reasons[:4]) +
+                         (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
+    return _chosen(planner, best)
+
+
+def _first_fitting(planner: Candidates, ranked: Sequence[Candidate], reasons: list[str]) -> Candidate | None:
+    """The first of the ranked candidates that fits once made exact; why the others did not, in `reasons`."""
     for cand in track(ranked, "planning: exact stage costs"):
         try:
-            return _chosen(planner, _refine_auto(planner, cand))
+            return _refine_auto(planner, cand)
         except SplitError as err:
             reasons.append(str(err))
             log.debug("%s", err)
-    raise SplitError("no layout fits: " + "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
+    return None
 
 
 def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
@@ -274,15 +300,17 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
     anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
-    `stages_per_rank`, `link`, `memory_model`, `calibration`. Raises PlanError for counts that do not fit
+    `stages_per_rank`, `link`, `memory_model`, `calibration`, `replicas` (ranks per pipeline stage, like (2, 1); or
+    "auto", the default when stages or dp is "auto": unequal counts where predicted faster; see
+    engine.planning.replicas). Raises PlanError for counts that do not fit
     the world or batch, SplitError when nothing fits memory. `search` takes the same and also returns
     the graph, stage programs and lowered table it made on the way.
     """
     return search(fn, params, *example_batch, **options).plan
 
 
-def _chosen(planner: Candidates, cand: Candidate) -> Planned:
-    p = _to_plan(planner, cand, planner.schedule)
+def _chosen(planner: Candidates, cand: Candidate, equal_step_time: float = 0.0) -> Planned:
+    p = attrs.evolve(_to_plan(planner, cand, planner.schedule), equal_step_time=equal_step_time)
     log.info("plan:\n%s", p)
     if any(p.recompute):
         split_log.info("activation recomputation on stages %s (memory limit %s)",
