@@ -134,14 +134,21 @@ def replica_rows(build: Callable[[int], Table], num_microbatches: int, replicas:
     replicas.check(table)
     if order == "split":
         return tuple(tuple(a for a in row if a.is_compute) for row in replicas.rows(table))
-    own = {c: build(num_microbatches // c) for c in set(replicas.counts)}
-    rows = []
-    for rank in range(replicas.num_ranks):
-        q, k = replicas.place(rank)
-        c = replicas.counts[q]
-        rows.append(tuple(Action(a.stage, a.kind, k + a.microbatch * c) for a in own[c].rows[q] if a.is_compute))
-    simulate_replicated(table, replicas, rows=rows)  # raises when they cannot finish
-    return tuple(rows)
+    try:
+        own = {c: build(num_microbatches // c) for c in set(replicas.counts)}
+        rows = tuple(_own_row(own, replicas, rank) for rank in range(replicas.num_ranks))
+        simulate_replicated(table, replicas, rows=rows)  # raises when they cannot finish
+    except ScheduleError as err:
+        raise ScheduleError(f"the 'own' replica order does not run for replicas {replicas} and "
+                            f"{num_microbatches} microbatches ({err}); use the 'split' order") from err
+    return rows
+
+
+def _own_row(own: dict[int, Table], replicas: Replicas, rank: int) -> tuple[Action, ...]:
+    """Replica k of a position with c replicas: the position's row for its own share, local i as k + i * c."""
+    q, k = replicas.place(rank)
+    c = replicas.counts[q]
+    return tuple(Action(a.stage, a.kind, k + a.microbatch * c) for a in own[c].rows[q] if a.is_compute)
 
 
 def _messages(table: Table, a: Action) -> tuple[list[Action], list[Action]]:

@@ -138,8 +138,8 @@ class Step:
         from its program (`engine.footprint`): what `torch.cuda.max_memory_allocated` reads for programs
         run as fx code, short of library workspaces (inductor-compiled programs free differently; the
         benchmark saw them within -16 % / +8 % of this). No optimizer state: that is the optimizer's."""
-        return tuple(footprint(p, self.infos, self.graph, microbatches=self.plan.microbatches)
-                     for p in self.programs.all())
+        return tuple(footprint(p, self.infos, self.graph, microbatches=len(routing.microbatches(self.plan, p.rank)))
+                     for p in self.programs.all())  # a rank holds the batch of the microbatches it runs
 
     def shard(self, params: Any) -> Any:
         """This rank's leaves moved to its device; leaves used only by other ranks become None. Every leaf is

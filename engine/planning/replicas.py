@@ -166,7 +166,8 @@ def evaluate(planner: Candidates, layout: Layout, stages: tuple[StageCost, ...],
 def auto_layouts(planner: Candidates, world_size: int, *, v: int, stages: Any, dp: Any,
                  microbatches: Any) -> list[Layout]:
     """Unequal layouts worth planning: per dp and depth p below the ranks of a dp replica, the counts
-    apportioned to the estimated stage times (re-split until they stop changing)."""
+    apportioned to the estimated stage times (re-split until they stop changing), at the smallest and
+    the largest microbatch counts they divide, in both replica orders."""
     out = []
     for group in divisors(world_size):
         n = world_size // group
@@ -181,8 +182,9 @@ def auto_layouts(planner: Candidates, world_size: int, *, v: int, stages: Any, d
             counts = _settle(planner, p, v, group, options, n)
             if counts is None or len(set(counts)) == 1:
                 continue
-            out += [Layout(p, v, group, m, counts, order) for m in options if m % _lcm(counts) == 0
-                    for order in schedules.ORDERS]
+            fitting = [m for m in options if m % _lcm(counts) == 0]
+            ends = sorted({fitting[0], fitting[-1]}) if fitting else []  # fewest bubbles, largest microbatches
+            out += [Layout(p, v, group, m, counts, order) for m in ends for order in schedules.ORDERS]
     return out
 
 

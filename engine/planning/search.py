@@ -247,14 +247,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
             raise PlanError(f"stages={stages} but {len(cuts)} cuts make {len(cuts) + 1} stages; give one or the other")
         stages = len(cuts) + 1
     counts = replicas_mod.requested(replicas)
-    if isinstance(counts, tuple):
-        v = _stages_per_rank(schedule, stages_per_rank, stages, 1, len(counts))  # depth: one count per position
-        candidates = replicas_mod.explicit_layouts(counts, world_size, batch_size_of(example_batch), v=v, stages=stages,
-                                                   dp=dp, microbatches=microbatches)
-    else:
-        v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
-        candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp,
-                             microbatches=microbatches)
+    v, candidates = _layouts(counts, schedule, stages_per_rank, world_size, batch_size_of(example_batch), stages=stages,
+                             dp=dp, microbatches=microbatches)
     # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
     workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
     planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
@@ -274,6 +268,17 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
         raise SplitError("no layout fits: " + "; ".join(reasons[:4]) +
                          (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
     return _chosen(planner, best)
+
+
+def _layouts(counts: tuple[int, ...] | str | None, schedule: str, stages_per_rank: int | None, world_size: int,
+             batch_size: int, *, stages: Any, dp: Any, microbatches: Any) -> tuple[int, list[Layout]]:
+    """Stages per rank and the layouts to plan: the user's replica counts, or equal replicas by world and dp."""
+    if isinstance(counts, tuple):
+        v = _stages_per_rank(schedule, stages_per_rank, stages, 1, len(counts))  # depth: one count per position
+        return v, replicas_mod.explicit_layouts(counts, world_size, batch_size, v=v, stages=stages, dp=dp,
+                                                microbatches=microbatches)
+    v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
+    return v, layouts(world_size, batch_size, v=v, stages=stages, dp=dp, microbatches=microbatches)
 
 
 def _first_fitting(planner: Candidates, ranked: Sequence[Candidate], reasons: list[str]) -> Candidate | None:

@@ -205,7 +205,9 @@ def _as_spec(plan: PlanSpec | Plan | None, schedule: str, stages: int | None, mi
     world = launch.init(timeout).size if distributed else None
     if isinstance(plan, Plan):
         spec = PlanSpec(plan.schedule, plan.num_stages, plan.microbatches, plan.dp,
-                        plan.num_stages // plan.pipeline_depth, cuts=plan.cuts)
+                        plan.num_stages // plan.pipeline_depth, cuts=plan.cuts,
+                        replicas=plan.replicas if any(c > 1 for c in plan.replicas) else None,
+                        replica_order=plan.replica_order)
     else:
         spec = plan or _spec(schedule, stages, microbatches, dp, stages_per_rank, cuts, batch, world)
     if world is not None and spec.world_size != world:
@@ -278,7 +280,8 @@ class _Check:
             cuts = spec.resolve_cuts(len(graph.eqns))
         step = engine.parallelize(self.fn, self.params, *self.batch, schedule=spec.schedule,
                                   microbatches=spec.microbatches, stages=spec.stages, dp=spec.dp,
-                                  stages_per_rank=spec.stages_per_rank, cuts=cuts, timeout=timeout, hook=hook)
+                                  stages_per_rank=spec.stages_per_rank, cuts=cuts, timeout=timeout, hook=hook,
+                                  replicas=spec.replicas)
         try:
             loss, grads = step(step.shard(self.params), *self.batch)
         except Exception as exc:

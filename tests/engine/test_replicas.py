@@ -5,16 +5,19 @@ import threading
 from collections import Counter
 
 import attrs
+from hypothesis import given, settings
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import engine
+import engine.testing
 from engine.errors import PlanError
 from engine.execution import routing
 from engine.execution.assemble import channels, reduce_groups
 from engine.execution.inprocess import build_steps, run_steps
 from engine.planning.plan import Plan, StagePlan
+from engine.testing.plans import replica_counts
 from tests.mpi import models
 
 PARAMS = models.init_params(layers=4)
@@ -199,3 +202,21 @@ def test_parallelize_refuses_bad_replicas_before_it_plans() -> None:
         engine.parallelize(models.loss_fn, params, *batch, replicas=(1, -1))
     with pytest.raises(PlanError, match="does not divide world_size=1"):  # one process: no room for 2 + 1 ranks
         engine.parallelize(models.loss_fn, params, *batch, replicas=(2, 1), microbatches=4)
+
+
+# -- engine.testing --------------------------------------------------------------------------------------------
+
+@settings(max_examples=12)
+@given(spec=engine.testing.plans(world_sizes=(3, 4), batch_size=24, num_eqns=28, replicas=True, cuts="drawn"))
+def test_the_harness_draws_and_checks_unequal_replicas(spec) -> None:
+    """`plans(replicas=True)`: hand-made plans with unequal replicas, every schedule, checked in process."""
+    params, batch = models.init_params(layers=4), models.batch(size=24)
+    result = engine.testing.assert_parallel_equivalent(models.loss_fn, params, *batch, plan=spec)
+    assert result.plan.world_size == spec.world_size and result.max_rel_error <= 1e-10
+    if spec.replicas is not None:
+        assert result.plan.replicas == spec.replicas and sum(spec.replicas) * spec.dp in (3, 4)
+
+
+def test_replica_counts_are_unequal_compositions() -> None:
+    drawn = {replica_counts(4).example() for _ in range(60)}
+    assert all(c is None or (sum(c) == 4 and len(set(c)) > 1 and min(c) >= 1) for c in drawn)
