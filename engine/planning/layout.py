@@ -35,8 +35,8 @@ class Layout:
 
     @property
     def replicated(self) -> bool:
-        """Some position runs on more ranks than another (microbatches are routed between them)."""
-        return len(set(self.counts)) > 1
+        """Some position runs on several ranks inside a dp replica (microbatches are routed between them)."""
+        return any(c > 1 for c in self.counts)
 
     @property
     def num_stages(self) -> int:

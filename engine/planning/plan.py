@@ -88,8 +88,9 @@ class Plan:
             raise PlanError(f"replicas {self.replicas} must give one count >= 1 for each of the {self.pipeline_depth} "
                             "pipeline positions (or leave it out: one each)")
         if any(self.microbatches % c for c in self.replicas):
-            raise PlanError(f"{self.microbatches} microbatches do not split evenly over replicas {self.replicas}: every "
-                            "replica of a stage runs the same share; use a microbatch count every replica count divides")
+            raise PlanError(f"{self.microbatches} microbatches do not split evenly over replicas {self.replicas}: "
+                            "every replica of a stage runs the same share; use a microbatch count every replica "
+                            "count divides")
         if len(self.recompute) != self.num_stages:
             raise PlanError(f"recompute has {len(self.recompute)} flags for {self.num_stages} stages; give one "
                             "bool per stage (or leave it out: no recomputation)")

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import schedules
 
 from ..errors import PlanError, SplitError
+from ..units import nbytes
 from .layout import AUTO, Layout, divisors, microbatch_counts
 from .split import Partition, partition
 from .stage_costs import StageCost, schedule_costs, splits_bw
@@ -81,14 +82,16 @@ def explicit_layouts(counts: tuple[int, ...], world_size: int, batch_size: int, 
                         f"({v} stage{'s' if v > 1 else ''} per rank make {len(counts) * v}); give one count per stage")
     group = world_size // n
     options = [m for m in microbatch_counts(batch_size, len(counts), group, microbatches) if m % _lcm(counts) == 0]
-    if not options and microbatches in (None, AUTO):
+    if not options and not isinstance(microbatches, int):
         options = [m for m in divisors(batch_size // group) if m % _lcm(counts) == 0][:1] \
             if batch_size % group == 0 else []
     if not options:
+        rows = batch_size // max(group, 1)
         raise PlanError(f"replicas={counts}: microbatches={microbatches!r} must be a multiple of {_lcm(counts)} (every "
-                        f"replica of a stage runs the same share) that divides the {batch_size // max(group, 1)} rows of "
-                        f"each of the dp={group} replicas; pick a batch size and microbatch count that fit")
-    return [Layout(len(counts), v, group, m, counts, order) for m in options for order in schedules.ORDERS]
+                        f"replica of a stage runs the same share) that divides the {rows} rows of each of the "
+                        f"dp={group} replicas; pick a batch size and microbatch count that fit")
+    orders = schedules.ORDERS if any(c > 1 for c in counts) else ("split",)
+    return [Layout(len(counts), v, group, m, counts, order) for m in options for order in orders]
 
 
 def _lcm(counts: Sequence[int]) -> int:
@@ -120,7 +123,8 @@ def split(planner: Candidates, layout: Layout, table: schedules.Table, blocks: B
         raise SplitError(f"the model has {costs.num_blocks} blocks (cut points are between layers), fewer than {n} "
                          f"stages; use at most {costs.num_blocks} stages")
     budgets = budgets or [planner.limit / layout.stages_per_rank] * n
-    live = schedules.simulate_replicated(table, schedules.Replicas(layout.counts), rows=rows(planner, layout)).stage_peak_live
+    routed = schedules.simulate_replicated(table, schedules.Replicas(layout.counts), rows=rows(planner, layout))
+    live = routed.stage_peak_live
     weight = [1.0 / layout.counts[table.rank_of(s)] for s in range(n)]
 
     def plain(s: int, i: int, j: int) -> bool:
@@ -135,8 +139,8 @@ def split(planner: Candidates, layout: Layout, table: schedules.Table, blocks: B
     found = partition(costs.num_blocks, n, time, fits)
     if found is None:
         raise SplitError(f"no split into {n} stages with replicas {layout.counts} fits the memory limit "
-                         f"({planner.limit / 2**30:.1f} GiB per rank); use fewer replicas of the small stages, "
-                         "activation recomputation, or a smaller microbatch")
+                         f"({nbytes(planner.limit)} per rank; each replica holds its whole stage); use more stages, "
+                         "activation recomputation (recompute='auto'), or a smaller microbatch")
     b = found.bounds
     return found, tuple(not plain(s, b[s], b[s + 1]) for s in range(n))
 
@@ -226,6 +230,6 @@ def rows(planner: Candidates, layout: Layout) -> tuple[tuple[schedules.Action, .
 
 
 def describe(layout: Layout) -> str:
-    """`2 x 1 replicas of 2 stages` for a replicated layout, "" otherwise."""
+    """` with replicas 2x1 (split order)` for a replicated layout, "" otherwise."""
     return f" with replicas {'x'.join(map(str, layout.counts))} ({layout.replica_order} order)" \
         if layout.replicated else ""

@@ -79,8 +79,8 @@ def _rank_layouts(planner: Candidates, candidates: Sequence[Layout]) -> tuple[li
 
 
 def _describe(layout: Layout) -> str:
-    return (f"{layout.num_stages} stages on {layout.pipeline_depth} ranks{replicas_mod.describe(layout)} x dp {layout.dp}, "
-            f"{layout.microbatches} microbatches")
+    return (f"{layout.num_stages} stages on {layout.pipeline_depth} ranks{replicas_mod.describe(layout)} x dp "
+            f"{layout.dp}, {layout.microbatches} microbatches")
 
 
 def _calibrate(stages: Sequence[StageCost], guesses: Sequence[StageCost], bounds: Sequence[int],

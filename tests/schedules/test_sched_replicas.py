@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import schedules
-from schedules import ORDERS, Costs, Replicas, ScheduleError, lower_replicated, replica_rows, simulate, simulate_replicated
+from schedules import (ORDERS, Costs, Replicas, ScheduleError, lower_replicated, replica_rows, simulate,
+                       simulate_replicated)
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2, "zbv": 2}  # stages per rank
 
