@@ -220,3 +220,21 @@ def test_the_harness_draws_and_checks_unequal_replicas(spec) -> None:
 def test_replica_counts_are_unequal_compositions() -> None:
     drawn = {replica_counts(4).example() for _ in range(60)}
     assert all(c is None or (sum(c) == 4 and len(set(c)) > 1 and min(c) >= 1) for c in drawn)
+
+
+def test_apportion_gives_each_spare_rank_to_the_slowest_per_replica() -> None:
+    from engine.planning.replicas import apportion
+
+    assert apportion((4.0, 1.0, 1.0), 4) == (2, 1, 1)
+    assert apportion((4.0, 1.0, 1.0), 6) == (4, 1, 1)  # 4/4 = 1 = the others: the slowest is no slower than 1
+    assert apportion((1.0, 3.0), 4) == (1, 3) and apportion((1.0, 1.0), 4) == (2, 2) and apportion((5.0,), 3) == (3,)
+
+
+def test_user_cuts_run_with_replicas() -> None:
+    params, batch = models.init_params(layers=4), models.batch(size=16)
+    p = engine.plan(models.loss_fn, params, *batch, world_size=3, replicas=(1, 2), microbatches=4, cuts=[7])
+    assert p.cuts == (7,) and p.replicas == (1, 2) and p.world_size == 3
+    result = run_steps(build_steps(models.loss_fn, params, batch, p), params, batch)
+    ref = torch.func.grad(models.loss_fn)(params, *batch)
+    for got, want in zip(pytree.tree_leaves(result.grads), pytree.tree_leaves(ref), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
