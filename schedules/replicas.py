@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -87,7 +88,7 @@ class Replicas:
             q = uneven[0]
             raise ScheduleError(f"{m} microbatches do not split evenly over the {self.counts[q]} replicas of pipeline "
                                 f"rank {q}; use a microbatch count that every replica count divides (a multiple of "
-                                f"{_lcm(self.counts)})")
+                                f"{math.lcm(*self.counts)})")
 
     def _check_ranks(self, table: Table) -> None:
         if len(self.counts) != table.num_ranks:
@@ -196,16 +197,6 @@ def _with_messages(table: Table, row: Sequence[Action], before: dict[int, list[A
         out.append(a)
         out += _messages(table, a)[1]
     return tuple(out)
-
-
-def _lcm(counts: Sequence[int]) -> int:
-    out = 1
-    for c in counts:
-        a, b = out, c
-        while b:
-            a, b = b, a % b
-        out = out * c // a
-    return out
 
 
 @attrs.frozen(eq=False)
