@@ -171,7 +171,8 @@ def auto_layouts(planner: Candidates, world_size: int, *, v: int, stages: Any, d
                  microbatches: Any) -> list[Layout]:
     """Unequal layouts worth planning: per dp and depth p below the ranks of a dp replica, the counts
     apportioned to the estimated stage times (re-split until they stop changing), at the smallest and
-    the largest microbatch counts they divide, in both replica orders."""
+    the largest microbatch counts they divide among those of the equal layout on the same ranks (so no
+    microbatch size is traced for them alone), in both replica orders."""
     out = []
     for group in divisors(world_size):
         n = world_size // group
@@ -180,7 +181,8 @@ def auto_layouts(planner: Candidates, world_size: int, *, v: int, stages: Any, d
         for p in range(2, min(n - 1, MAX_DEPTH) + 1):
             if isinstance(stages, int) and not isinstance(stages, bool) and stages != p * v:
                 continue
-            options = microbatch_counts(planner.batch_size, p, group, microbatches)
+            # the microbatch counts of the equal layout on the same ranks: sizes already traced and costed
+            options = microbatch_counts(planner.batch_size, n, group, microbatches)
             if not options:
                 continue
             counts = _settle(planner, p, v, group, options, n)
@@ -210,6 +212,19 @@ def _settle(planner: Candidates, p: int, v: int, dp: int, options: Sequence[int]
             break
         counts = new
     return counts
+
+
+def considered(counts: tuple[int, ...] | str | None, stages: Any, dp: Any) -> bool:
+    """Whether the search plans unequal layouts: `replicas="auto"`, or by default when stages or dp is "auto"."""
+    return counts == AUTO or (counts is None and AUTO in (str(stages).lower(), str(dp).lower()))
+
+
+def promising(unequal: Sequence[Candidate], equal: Sequence[Candidate], nothing_fits: bool) -> bool:
+    """Whether the best unequal estimate beats the best equal one by REPLICA_GAIN (or no equal layout fits):
+    only then is it made exact (stage autodiff of its stages is the expensive part of planning)."""
+    if not unequal:
+        return False
+    return nothing_fits or not equal or unequal[0].step_time < (1 - REPLICA_GAIN) * equal[0].step_time
 
 
 def choose(equal: Candidate | None, unequal: Candidate | None) -> tuple[Candidate, float] | None:

@@ -258,12 +258,13 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
         return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
     ranked, reasons = _rank_layouts(planner, candidates)
     best = _first_fitting(planner, ranked, reasons)
-    if counts == replicas_mod.AUTO or (counts is None and replicas_mod.AUTO in (str(stages).lower(), str(dp).lower())):
+    if replicas_mod.considered(counts, stages, dp):
         unequal, _ = _rank_layouts(planner, replicas_mod.auto_layouts(planner, world_size, v=v, stages=stages, dp=dp,
                                                                       microbatches=microbatches))
-        picked = replicas_mod.choose(best, _first_fitting(planner, unequal, reasons))
-        if picked is not None:
-            return _chosen(planner, *picked)
+        if replicas_mod.promising(unequal, ranked, best is None):  # made exact only when the estimates say so
+            picked = replicas_mod.choose(best, _first_fitting(planner, unequal, reasons))
+            if picked is not None:
+                return _chosen(planner, *picked)
     if best is None:
         raise SplitError("no layout fits: " + "; ".join(reasons[:4]) +
                          (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
