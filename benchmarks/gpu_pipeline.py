@@ -1,28 +1,29 @@
-"""fnpipe against torch.distributed.pipelining on one GPT, same weights and batch, in one launch.
+"""fnpipe against torch.distributed.pipelining, eager and compiled, on two model families, in one launch.
 
-    # 2 GPUs (preferred): PyTorch Schedule1F1B + ScheduleGPipe (even hand split), fnpipe gpipe / 1f1b /
-    # zb-h1 / zbv (automatic split), then on rank 0 alone plain torch.func.grad and fnpipe with one stage
-    PYTHONPATH=. torchrun --nproc_per_node 2 --master-port 29511 benchmarks/gpu_pipeline.py [--large]
-    PYTHONPATH=. mpirun -n 2 python benchmarks/gpu_pipeline.py [--large]
-    # one GPU only: torch.func.grad against fnpipe with one stage ("--single" or any world of 1)
-    PYTHONPATH=. python benchmarks/gpu_pipeline.py --single [--large]
-    # 4 GPUs: depth 4 (PyTorch 1F1B, GPipe, Interleaved1F1B, ZBV against fnpipe's five schedules), then
-    # DP2 x PP2 (PyTorch's stages wrapped in DDP over the replicas; fnpipe with dp=2)
-    PYTHONPATH=. torchrun --nproc_per_node 4 benchmarks/gpu_pipeline.py --schedules gpipe,1f1b,interleaved-1f1b,zb-h1,zbv \
-        --torch-schedules 1f1b,gpipe,interleaved-1f1b,zbv
-    PYTHONPATH=. torchrun --nproc_per_node 4 benchmarks/gpu_pipeline.py --dp 2 --no-one-gpu
-    # CPU smoke test (gloo, fp32, d=64, 2 blocks, seq 32; --layers 8 for 8 stages)
+    # 2 GPUs: both families (GPT and Llama), every row below; one device command of at most 10 minutes
+    PYTHONPATH=. torchrun --nproc_per_node 2 --master-port 29511 benchmarks/gpu_pipeline.py --budget 540
+    # CPU smoke test (gloo, fp32, tiny sizes)
     PYTHONPATH=. torchrun --nproc_per_node 2 --master-port 29511 benchmarks/gpu_pipeline.py --tiny
+    # one device (any world of 1, or --single): only the one-GPU rows
+    PYTHONPATH=. python benchmarks/gpu_pipeline.py --single
 
-PyTorch's side (benchmarks/torch_pp_baseline.py): Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble with an even hand split of the blocks, its documented
-practice; with --dp its stages are wrapped in DDP (the zero-bubble ones all-reduce by hand: their
-backward bypasses DDP's hooks).
+Per family (`--families gpt,llama`; sizes in benchmarks/families.py: the 1 B GPT, the 0.85 B Llama):
+  - PyTorch eager 1F1B, and PyTorch with each block `torch.compile`d (torchtitan's practice) for the
+    schedules `--torch-compiled` (1f1b, gpipe, interleaved-1f1b);
+  - fnpipe for `--schedules` (1f1b, zb-h1, interleaved-1f1b, zbv) with each of `--compilers` ("auto", the
+    default: inductor on CUDA; and "fx"), each row with its predictions (the plan's step time, each rank's
+    replayed peak), parallelize's seconds plus the first step's, and the compile seconds per stage;
+  - on rank 0 alone, a model of `--one-gpu-layers` blocks: eager autograd (the nn.Module, loss.backward
+    per microbatch), torch.func.grad, fnpipe one stage for each compiler.
+Rows run in tiers across the families (`rows_of`): both baselines first, then fnpipe's default on 1f1b and
+zb-h1, then fx there, then the rest; the budget (`--budget`, bench_guard.py) skips what no longer fits,
+every rank alike, so the command ends in time with the rows that matter most. Last of the launch come the
+PyTorch compiled schedules `--torch-risky` (zb-h1, zbv, interleaved-zb: zero-bubble with compiled blocks
+hung on 2 x H200 in issue #15), each under a watchdog of `--risky-timeout` seconds: a hang is recorded in
+the JSON and ends the launch (it is last, so nothing else is lost).
 
-Model: examples.gpt_model with an untied head (PyTorch's pipelining cannot tie across stages); base
-16 blocks, d=2048, 16 heads of 128, seq 1024, vocab 50304, bf16; `--large` 24 blocks, d=2560 (20 heads).
-Batch 32 = 8 microbatches of 4. Prints progress, then the table; writes everything to `--out`
-(default $OUT/bench.json, else out/bench.json). What the columns mean: bench_report.LEGEND.
+Batch 32 = 8 microbatches of 4. Prints progress, then per family the table and the targets; writes
+`bench_<family>.json` under `--out-dir` (default $OUT, else out/) after every row.
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
@@ -43,43 +43,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402
 from benchmarks import bench_report, torch_pp_baseline  # noqa: E402
+from benchmarks.bench_guard import Guard  # noqa: E402
+from benchmarks.families import Family, family, lm_loss  # noqa: E402
 from benchmarks.step_timer import Measurement, measure  # noqa: E402
-from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn  # noqa: E402
-
-CONFIGS = {
-    "base": GPTConfig(vocab_size=50304, seq_len=1024, d_model=2048, n_layers=16, head_dim=128, tied=False),
-    "large": GPTConfig(vocab_size=50304, seq_len=1024, d_model=2560, n_layers=24, head_dim=128, tied=False),
-    "tiny": GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2, head_dim=16, tied=False),
-}
-REFERENCE = {"note": "DESIGN.md, 2xH200, base config: torch.distributed.pipelining", "torch_1f1b_s": 0.189,
-             "torch_1f1b_peak_gib": [6.1, 4.5], "torch_gpipe_s": 0.190, "torch_gpipe_peak_gib": [18.1, 18.8],
-             "one_gpu_s": 0.345}
 
 
 class Bench:
-    """The shared state of one launch: world, model, weights (host copy), batch, rows of results."""
+    """One family's state in a launch: model, weights (host copy), batch, and its rows of results."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, world: Any = None, fam: Family | None = None,
+                 guard: Guard | None = None) -> None:
         self.args, self.t0 = args, time.perf_counter()
-        self.world = engine.init(timeout=args.timeout)
+        self.world = world or engine.init(timeout=args.timeout)
         self.rank0 = self.world.rank == 0
-        self.name = "tiny" if args.tiny else "large" if args.large else "base"
-        self.config = CONFIGS[self.name]
-        if args.layers:
-            self.config = attrs.evolve(self.config, n_layers=args.layers)
+        self.size = "tiny" if args.tiny else "large" if args.large else "base"
+        self.fam = fam or family(args.families.split(",")[0], self.size)
+        if fam is None and args.layers:
+            self.fam = self.fam.with_layers(args.layers)
+        self.config = self.fam.config
+        self.guard = guard or Guard(args.budget, args.min_row, self.world.device, distributed=self.world.distributed)
         self.dtype = torch.float32 if args.tiny or self.world.device.type == "cpu" else torch.bfloat16
         self.m, self.batch = args.microbatches, args.microbatches * args.microbatch_size
-        self.loss_fn = make_loss_fn(self.config)
+        self.loss_fn = self.fam.loss_fn()
         self.params = self.weights(args.seed)
-        self.tokens, self.targets = example_batch(self.config, self.batch, seed=args.seed + 1)
+        self.tokens, self.targets = self.fam.batch(self.batch, seed=args.seed + 1)
         self.rows: list[dict[str, Any]] = []
         self.free()
 
     def weights(self, seed: int) -> Any:
-        """The parameter tree on the host, identical on every rank: made on this rank's device (fast), rank
-        0's copy broadcast (so ranks agree even if their generators did not), then kept on the host; each
-        run copies what it needs to the device."""
-        params = init_params(self.config, self.dtype, self.world.device, seed=seed)
+        """The parameter tree on the host, identical on every rank: made on this rank's device, rank 0's copy
+        broadcast, then kept on the host; each run copies what it needs to the device."""
+        params = self.fam.params(self.dtype, self.world.device, seed)
         if self.world.distributed:
             for leaf in pytree.tree_leaves(params):
                 dist.broadcast(leaf, src=0)
@@ -87,7 +81,7 @@ class Bench:
 
     def log(self, msg: str) -> None:
         if self.rank0:
-            print(f"[{time.perf_counter() - self.t0:6.1f} s] {msg}", flush=True)
+            print(f"[{self.guard.elapsed():6.1f} s] {self.fam.name}: {msg}", flush=True)
 
     def free(self) -> None:
         gc.collect()
@@ -103,50 +97,74 @@ class Bench:
         return measure(step_fn, loss_of=loss_of, warmup=self.args.warmup, steps=self.args.steps,
                        device=self.world.device, across_ranks=across_ranks, label=label if self.rank0 else "")
 
-    def add(self, framework: str, schedule: str, result: Measurement, p: int, **extra: Any) -> None:
-        """Record a row; the bound uses the row's own dp and stages_per_rank (PyTorch rows carry them),
-        else fnpipe's --dp / --stages-per-rank for fnpipe rows and dp 1 for the one-device rows."""
+    def add(self, framework: str, variant: str, schedule: str, result: Measurement, p: int, **extra: Any) -> None:
         dp = extra.get("dp", self.args.dp if framework == "fnpipe" else 1)
         v = extra.get("stages_per_rank", self.args.stages_per_rank)
-        frac, formula = bench_report.bound(schedule.split("+")[0], max(1, p // dp), self.m, v=v)
-        row = {"framework": framework, "schedule": schedule, "ranks": p, "bound": frac, "bound_formula": formula,
-               "loss0": result.losses[0], "finite": all(math.isfinite(x) for x in result.losses),
-               **result.to_json(), **extra}
+        frac, formula = bench_report.bound(schedule, max(1, p // dp), self.m, v=v)
+        row = {"framework": framework, "variant": variant, "schedule": schedule, "ranks": p, "bound": frac,
+               "bound_formula": formula, "loss0": result.losses[0],
+               "finite": all(math.isfinite(x) for x in result.losses), **result.to_json(), **extra}
         self.rows.append(row)
-        self.log(f"{framework} {schedule}: {result.median:.4f} s/step, peak GiB "
-                 f"{[bench_report.gib(b) for b in result.peak_bytes or []]}, loss {result.losses[0]:.4f} -> "
-                 f"{result.losses[-1]:.4f}")
+        self.log(f"{framework} {variant} {schedule}: {result.median:.4f} s/step, peak GiB "
+                 f"{[bench_report.gib(b) for b in result.peak_bytes or []]}, loss {result.losses[0]:.4f}")
+
+    def out_path(self) -> Path:
+        base = Path(self.args.out_dir) if self.args.out_dir else bench_report.default_out().parent
+        return base / f"bench_{self.fam.name}.json"
+
+    def payload(self, **extra: Any) -> dict[str, Any]:
+        flops = self.fam.flops(self.batch)
+        p = self.world.size
+        return {"family": self.fam.name, "config": self.size, "model": self.fam.describe(),
+                "num_params": self.fam.num_params(), "dtype": str(self.dtype), "batch": self.batch,
+                "microbatches": self.m, "microbatch_size": self.args.microbatch_size, "world_size": p,
+                "device": device_name(self), "torch": torch.__version__, "flops": flops,
+                "ideal_s": {"1": bench_report.ideal_seconds(flops["total"], 1),
+                            str(p): bench_report.ideal_seconds(flops["total"], p)},
+                "args": vars(self.args), "rows": self.rows, "elapsed_s": self.guard.elapsed(), **extra}
+
+    def save(self, **extra: Any) -> None:
+        if self.rank0:
+            bench_report.write_json(self.out_path(), self.payload(**extra))
 
 
 # -- the runs ------------------------------------------------------------------------------------------------
-def run_torch(b: Bench, schedule: str) -> None:
-    dp = b.args.dp if b.args.torch_dp is None else b.args.torch_dp
-    b.log(f"torch.distributed.pipelining {schedule} (dp {dp}): building the stages")
+def run_torch(b: Bench, schedule: str, *, compiled: bool) -> None:
+    b.log(f"torch.distributed.pipelining {schedule}{' compiled blocks' if compiled else ''}: building")
     res, info = torch_pp_baseline.run(b.config, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
-                                      device=b.world.device, dtype=b.dtype, dp=dp, v=b.args.stages_per_rank,
-                                      first_blocks=b.args.torch_first_blocks,
+                                      device=b.world.device, dtype=b.dtype, dp=b.args.dp, v=b.args.stages_per_rank,
+                                      family=b.fam, compile_blocks=compiled,
                                       measure=lambda fn, loss_of: b.measure(fn, loss_of=loss_of,
                                                                             label=f"torch {schedule}"))
-    b.add("torch", schedule, res, b.world.size, **info)
-    b.free()
+    b.add("torch", "compiled" if compiled else "eager", schedule, res, b.world.size,
+          to_first_step_s=info["build_s"] + (res.first_s or 0.0), **info)
 
 
-def predicted_peaks(step: engine.Step) -> dict[str, Any]:
-    """fnpipe's predictions: the step time (the planner's simulation) and each rank's peak bytes replayed
-    from its program (`step.memory()`: params, grads, buffers, temporaries; no optimizer is held here),
-    with the planner's memory model beside it (Adam state and its 10 % margin included, as it plans)."""
+def predicted(step: engine.Step) -> dict[str, Any]:
+    """fnpipe's predictions: the plan's step time, each rank's peak replayed from its program (no optimizer
+    held here), the planner's memory model beside it (Adam state and margin included), and the stages."""
     plan = step.plan
     return {"predicted_s": plan.predicted_step_time, "predicted_bubble": plan.bubble_fraction,
             "predicted_peak_bytes": [f.peak for f in step.memory()],
             "planner_peak_bytes_with_adam_and_margin": list(plan.rank_memory),
+            "recompute": [("full" if r else "cheap" if c else "no") for r, c in zip(plan.recompute, plan.remat)],
             "stages": [{"index": s.index, "rank": s.rank, "eqns": [s.start, s.stop], "forward_s": s.forward_time,
                         "backward_s": s.backward_input_time + s.backward_weight_time, "params": s.num_params}
                        for s in plan.stages]}
 
 
-def alone_step(b: Bench, schedule: str, *, compiler: str = "fx") -> engine.Step:
-    """fnpipe with one stage on this rank alone, inside a larger job (what parallelize does for world 1)."""
+predicted_peaks = predicted  # the name profile_stage.py and older scripts use
+
+
+def calibration_path(b: Bench) -> str | bool:
+    return str(Path(b.args.calibrate) / f"cal_{b.fam.name}.json") if b.args.calibrate else False
+
+
+def alone_step(b: Bench, schedule: str, *, compiler: str = "fx", fused_recompute: bool | None = None) -> engine.Step:
+    """fnpipe with one stage on this rank alone, inside a larger job (what parallelize does for world 1;
+    `fused_recompute` None: as parallelize sets it, for an inductor-compiled step)."""
     from engine.execution.assemble import assemble
+    from engine.execution.compilers import resolve
     from engine.execution.step import Step
     from engine.execution.transport import Hub, LocalTransport
     from engine.planning.artifacts import Workshop
@@ -155,48 +173,56 @@ def alone_step(b: Bench, schedule: str, *, compiler: str = "fx") -> engine.Step:
     dev = b.world.device
     workshop = Workshop(b.loss_fn, b.params, (b.tokens, b.targets), device=dev.type)
     calibration = None
-    if b.args.calibrate:  # the table the pipelined runs loaded or made (rank 0 runs this alone)
+    if b.args.calibrate:  # rank 0 runs this alone: its own table
         from engine.parallelize import calibration as calibrate_on
 
-        calibration = calibrate_on(engine.World(0, 1, 0, dev, False), workshop, b.args.calibrate, microbatches=b.m,
-                                   dp=1)
+        solo = engine.World(0, 1, 0, dev, False)
+        table = calibrate_on(solo, workshop, calibration_path(b), microbatches=b.m, dp=1,
+                             compiler=resolve(compiler, dev))
+        calibration = table.for_compiler(resolve(compiler, dev))
+    fused = resolve(compiler, dev) == "inductor" if fused_recompute is None else fused_recompute
     planned = search(b.loss_fn, b.params, b.tokens, b.targets, world_size=1, schedule=schedule, microbatches=b.m,
-                     device=dev.type, calibration=calibration, workshop=workshop)
+                     device=dev.type, calibration=calibration, workshop=workshop, fused_recompute=fused)
     step = Step(planned, engine.World(0, 1, 0, dev, False), LocalTransport(Hub(1, b.args.timeout), 0),
                 compiler=compiler, program=assemble(planned, 0))
     step.verify()
+    if dev.type == "cuda" or step.executor.compiler != "fx":
+        step.executor.warmup(step.local_stages)
     return step
 
 
-def run_fnpipe(b: Bench, schedule: str, *, alone: bool = False, compiler: str = "fx") -> None:
-    label = schedule + ("+inductor" if compiler == "inductor" else "")
-    b.log(f"fnpipe {label}{' (one stage)' if alone else ''}: planning")
+def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -> None:
+    b.log(f"fnpipe {schedule} compiler={compiler}{' (one stage)' if alone else ''}: planning")
     t = time.perf_counter()
-    if alone and b.world.size > 1:
+    if alone:
         step = alone_step(b, schedule, compiler=compiler)
     else:
         layout = {"dp": b.args.dp} if b.args.dp > 1 else {}
         if schedule == "interleaved-1f1b":
             layout["stages_per_rank"] = b.args.stages_per_rank
         step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
-                                  timeout=b.args.timeout, calibrate=b.args.calibrate or False, compiler=compiler,
-                                  **layout)
+                                  timeout=b.args.timeout, calibrate=calibration_path(b), compiler=compiler, **layout)
     build_s = time.perf_counter() - t
     if b.rank0:
         print(step.plan, flush=True)
     local = step.shard(b.params)
     x, y = b.tokens.to(b.world.device), b.targets.to(b.world.device)
-    res = b.measure(lambda: step(local, x, y)[0], loss_of=float, label=f"fnpipe {label}", across_ranks=not alone)
-    p = 1 if alone else b.world.size
-    b.add("fnpipe", label if not alone else "1-stage", res, p, build_s=build_s, compiler=compiler,
-          **predicted_peaks(step))
+    t = time.perf_counter()
+    step(local, x, y)
+    if b.world.device.type == "cuda":
+        torch.cuda.synchronize(b.world.device)
+    first_s = time.perf_counter() - t
+    res = b.measure(lambda: step(local, x, y)[0], loss_of=float, label=f"fnpipe {schedule}/{compiler}",
+                    across_ranks=not alone)
+    b.add("fnpipe", f"{compiler}:{step.executor.compiler}", "1-stage" if alone else schedule, res,
+          1 if alone else b.world.size, build_s=build_s, first_step_s=first_s, to_first_step_s=build_s + first_s,
+          compile_s={str(k): v for k, v in step.compile_seconds.items()}, **predicted(step))
+    step.close()
     del step, local
-    b.free()
 
 
 def grad_step(b: Bench) -> Callable[[], torch.Tensor]:
-    """Plain torch.func.grad of the same loss over the same microbatches, grads accumulated, one device:
-    a step function returning the summed loss."""
+    """Plain torch.func.grad of the same loss over the same microbatches, grads accumulated, one device."""
     dev, m = b.world.device, b.m
     params = pytree.tree_map(lambda t: t.to(dev), b.params)
     fn = torch.func.grad_and_value(lambda p, x, y: b.loss_fn(p, x, y) / m)
@@ -217,84 +243,85 @@ def grad_step(b: Bench) -> Callable[[], torch.Tensor]:
     return one
 
 
-def run_grad(b: Bench) -> None:
-    b.log("plain torch.func.grad on one device")
-    b.add("torch", "grad", b.measure(grad_step(b), loss_of=float, label="torch.func.grad", across_ranks=False), 1)
-    b.free()
+def eager_step(b: Bench) -> Callable[[], torch.Tensor]:
+    """Eager autograd on the family's nn.Module: forward and loss.backward per microbatch, grads
+    accumulated in .grad (what a plain PyTorch training loop does)."""
+    dev, m = b.world.device, b.m
+    model = b.fam.module(b.params, dev, b.dtype)
+    xs, ys = b.tokens.to(dev).chunk(m), b.targets.to(dev).chunk(m)
+
+    def one() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=dev)
+        for x, y in zip(xs, ys):
+            loss = lm_loss(model(x), y) / m
+            loss.backward()
+            total += loss.detach().float()
+        return total
+
+    return one
 
 
-# -- the launch ----------------------------------------------------------------------------------------------
-def one_device_runs(b: Bench) -> None:
-    """torch.func.grad and fnpipe with one stage on rank 0; the other ranks wait."""
+def one_device_rows(b: Bench) -> None:
+    """Rank 0 alone, on a model of `--one-gpu-layers` blocks: eager autograd, torch.func.grad, fnpipe one
+    stage per compiler. The other ranks wait at the barrier."""
     if b.rank0:
-        guarded(b, "torch grad", lambda: run_grad(b))
-        if not b.args.no_fnpipe:
-            guarded(b, "fnpipe 1-stage", lambda: run_fnpipe(b, "1f1b", alone=True))
+        for label, run in [("eager autograd", lambda: b.add("torch", "eager-autograd", "1-gpu",
+                                                             b.measure(eager_step(b), loss_of=float, label="eager",
+                                                                       across_ranks=False), 1)),
+                           ("torch.func.grad", lambda: b.add("torch", "func.grad", "1-gpu",
+                                                             b.measure(grad_step(b), loss_of=float, label="grad",
+                                                                       across_ranks=False), 1)),
+                           *[(f"fnpipe 1-stage {c}", lambda c=c: run_fnpipe(b, "1f1b", compiler=c, alone=True))
+                             for c in b.args.compilers.split(",") if c]]:
+            if b.guard.elapsed() + b.args.min_row > b.guard.budget:  # rank 0 alone: its own clock decides
+                b.rows.append({"framework": "skipped", "variant": label, "schedule": "1-gpu", "error": "out of budget"})
+                continue
+            guarded(b, label, run, collective=False)
     b.sync_ranks()
 
 
-def guarded(b: Bench, label: str, run: Callable[[], None]) -> None:
-    """Run one measurement; an error is recorded as a row and the launch goes on (a rank left waiting in
-    a collective ends at --timeout). The JSON is rewritten after every run, so partial results survive."""
+def guarded(b: Bench, label: str, run: Callable[[], None], *, collective: bool = True,
+            timeout: float | None = None) -> None:
+    """One row: skipped when the budget has no room (all ranks alike), watched for hangs, an error recorded
+    as a row and the launch goes on; the JSON is rewritten after it, so partial results survive."""
+    compiles = "compiled" in label or label.endswith((" auto", " inductor"))  # a compile: about twice a row
+    if collective and not b.guard.room(b.args.min_row * (2 if compiles else 1)):
+        b.rows.append({"framework": "skipped", "variant": label, "schedule": "-", "error": "out of budget"})
+        b.log(f"{label}: skipped (out of budget)")
+        return
+    b.save(running=label)  # if the launch is killed inside this row, its JSON says where
+
+    def hung() -> None:
+        b.rows.append({"framework": "hung", "variant": label, "schedule": "-",
+                       "error": f"still running after {timeout or b.args.row_timeout:.0f} s: ended the launch"})
+        print(f"rank {b.world.rank}: {label} HUNG; ending the launch", flush=True)
+        b.save()
+
     try:
-        run()
+        b.guard.watched(timeout or b.args.row_timeout, hung, run)
     except Exception as exc:  # noqa: BLE001 -- reported in the table and the JSON
-        b.rows.append({"framework": label.split()[0], "schedule": label.split()[-1], "error": f"{type(exc).__name__}: {exc}"})
-        print(f"rank {b.world.rank}: {label} FAILED: {type(exc).__name__}: {exc}", flush=True)
-        b.free()
-    if b.rank0:
-        bench_report.write_json(out_path(b), payload(b))
-
-
-def out_path(b: Bench) -> Path:
-    return Path(b.args.out) if b.args.out else bench_report.default_out()
-
-
-def payload(b: Bench) -> dict[str, Any]:
-    flops = bench_report.model_flops(b.config, b.batch)
-    p = b.world.size
-    return {
-        "config": b.name, "model": {**vars_of(b.config), "n_heads": b.config.n_heads,
-                                    "num_params": b.config.num_params()},
-        "dtype": str(b.dtype), "batch": b.batch, "microbatches": b.m, "microbatch_size": b.args.microbatch_size,
-        "world_size": p, "device": device_name(b), "torch": torch.__version__, "flops": flops,
-        "ideal_s": {"1": bench_report.ideal_seconds(flops["total"], 1), str(p): bench_report.ideal_seconds(flops["total"], p)},
-        "reference": REFERENCE, "args": vars(b.args), "rows": b.rows, "elapsed_s": time.perf_counter() - b.t0}
+        b.rows.append({"framework": "failed", "variant": label, "schedule": "-", "error": f"{type(exc).__name__}: {exc}"})
+        print(f"rank {b.world.rank}: {label} FAILED: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    b.free()
+    b.save()
 
 
 def finish(b: Bench) -> None:
-    one_gpu = next((r["median_s"] for r in b.rows if r["schedule"] == "grad" and "median_s" in r), None)
-    for r in (r for r in b.rows if "median_s" in r):
-        r["bound_s"] = one_gpu / (r["ranks"] * r["bound"]) if one_gpu else None
-        r["efficiency"] = one_gpu / (r["ranks"] * r["median_s"]) if one_gpu else None
-    flops = bench_report.model_flops(b.config, b.batch)
-    p = b.world.size
-    done = [r for r in b.rows if "median_s" in r]
-    losses = {f"{r['framework']} {r['schedule']}": r["loss0"] for r in done}
-    spread = max(losses.values()) - min(losses.values()) if losses else 0.0
-    print(f"\n== {b.name} GPT: {b.config.n_layers} blocks, d={b.config.d_model}, {b.config.n_heads} heads, seq "
-          f"{b.config.seq_len}, vocab {b.config.vocab_size}, untied head, {str(b.dtype).replace('torch.', '')}; "
-          f"batch {b.batch} = {b.m} x {b.args.microbatch_size}; {p} x {device_name(b)}; torch {torch.__version__}")
-    print(f"FLOPs/step {flops['total']:.4g} (causal attention; {flops['total_full_attention']:.4g} "
-          f"counting it full); ideal at {bench_report.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s: "
-          f"1 GPU {bench_report.ideal_seconds(flops['total'], 1):.4g} s, {p} GPUs "
-          f"{bench_report.ideal_seconds(flops['total'], p):.4g} s")
-    print(f"initial losses: " + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()) + f" (spread {spread:.2e})")
-    bad = [k for k, r in zip(losses, done) if not r["finite"]]
-    if bad:
-        print(f"NON-FINITE LOSS in: {bad}")
+    """The family's table and targets, printed by rank 0, and its JSON."""
+    if not b.rank0:
+        return
+    flops = b.fam.flops(b.batch)
+    print(f"\n== {b.fam.describe()}, {str(b.dtype).replace('torch.', '')}, {b.fam.num_params() / 1e9:.3f} B params; "
+          f"batch {b.batch} = {b.m} x {b.args.microbatch_size}; {b.world.size} x {device_name(b)}; torch "
+          f"{torch.__version__}; FLOPs/step {flops['total']:.4g}")
     for r in b.rows:
         if "error" in r:
-            print(f"FAILED {r['framework']} {r['schedule']}: {r['error']}")
+            print(f"{r['framework'].upper()} {r['variant']} {r['schedule']}: {r['error']}")
     print("\n" + bench_report.format_table(b.rows) + "\n\n" + bench_report.LEGEND + "\n", flush=True)
     print("\n".join(bench_report.targets(b.rows)), flush=True)
-    out = out_path(b)
-    bench_report.write_json(out, {**payload(b), "initial_loss_spread": spread})
-    print(f"wrote {out} ({time.perf_counter() - b.t0:.0f} s in all)", flush=True)
-
-
-def vars_of(config: GPTConfig) -> dict[str, Any]:
-    return attrs.asdict(config)
+    b.save()
+    print(f"wrote {b.out_path()}", flush=True)
 
 
 def device_name(b: Bench) -> str:
@@ -304,59 +331,108 @@ def device_name(b: Bench) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--tiny", action="store_true", help="CPU smoke size: d=64, 2 blocks, seq 32, fp32")
-    size.add_argument("--large", action="store_true", help="24 blocks, d=2560 instead of 16 blocks, d=2048")
-    ap.add_argument("--single", action="store_true", help="one device only: torch.func.grad vs fnpipe one stage")
+    size.add_argument("--tiny", action="store_true", help="CPU smoke sizes (d=64, 2 blocks, seq 32, fp32)")
+    size.add_argument("--large", action="store_true", help="the GPT's 24 blocks, d=2560 (the Llama stays 0.85 B)")
+    ap.add_argument("--families", default="gpt,llama", help="model families, comma separated: gpt, llama")
+    ap.add_argument("--single", action="store_true", help="only the one-device rows")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--microbatch-size", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--schedules", default="gpipe,1f1b,zb-h1,zbv", help="fnpipe schedules, comma separated")
-    ap.add_argument("--inductor", default="", help="fnpipe schedules to run again with compiler='inductor' "
-                    "(stage programs compiled by torch.compile), comma separated")
-    ap.add_argument("--torch-schedules", default="1f1b,gpipe", help="PyTorch schedules, comma separated: "
-                    + ", ".join(torch_pp_baseline.SCHEDULES))
-    ap.add_argument("--torch-first-blocks", type=int, default=None, help="blocks on PyTorch's first stage "
-                    "when it has 2 stages (default: half)")
-    ap.add_argument("--torch-dp", type=int, default=None, help="PyTorch's data-parallel replicas (default: --dp)")
-    ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
-    ap.add_argument("--no-fnpipe", action="store_true", help="skip fnpipe")
-    ap.add_argument("--no-one-gpu", action="store_true", help="skip the one-device runs in a multi-rank launch")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--schedules", default="1f1b,zb-h1,interleaved-1f1b,zbv", help="fnpipe schedules")
+    ap.add_argument("--compilers", default="auto,fx", help="fnpipe compilers: auto (inductor on CUDA), fx, inductor")
+    ap.add_argument("--torch-eager", default="1f1b", help="PyTorch schedules with eager blocks")
+    ap.add_argument("--torch-compiled", default="1f1b,gpipe,interleaved-1f1b",
+                    help="PyTorch schedules with each block torch.compile'd (run in each family's part)")
+    ap.add_argument("--torch-risky", default="zb-h1,zbv,interleaved-zb", help="PyTorch compiled schedules run "
+                    "last of the launch under --risky-timeout (a hang ends the launch)")
+    ap.add_argument("--risky-timeout", type=float, default=75.0)
+    ap.add_argument("--row-timeout", type=float, default=300.0, help="seconds any one row may take")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole launch: rows that would "
+                    "start with less than --min-row left are skipped")
+    ap.add_argument("--min-row", type=float, default=40.0)
+    ap.add_argument("--one-gpu-layers", type=int, default=8, help="blocks of the one-device rows' model (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dp", type=int, default=1, help="fnpipe data-parallel replicas (world = stages x dp)")
-    ap.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved-1f1b (fnpipe and PyTorch) "
-                    "and PyTorch's interleaved-zb")
-    ap.add_argument("--layers", type=int, default=None, help="override the config's block count (e.g. --tiny "
-                    "--layers 8 for 8 stages)")
-    ap.add_argument("--calibrate", default=None, help="JSON path: time the model's ops once on rank 0 (kept "
-                    "there for the other schedules) so fnpipe splits by measured costs")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = stages x dp)")
+    ap.add_argument("--stages-per-rank", type=int, default=2, help="v of the interleaved schedules")
+    ap.add_argument("--layers", type=int, default=None, help="override the block count")
+    ap.add_argument("--calibrate", default=None, help="directory of the calibration tables (cal_<family>.json): "
+                    "rank 0 times the model's ops (and, for compiled rows, its compiled programs) once")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds any collective may wait")
-    ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench.json, else out/bench.json)")
+    ap.add_argument("--out-dir", default=None, help="where bench_<family>.json go (default $OUT, else out/)")
     return ap.parse_args(argv)
 
 
+def _items(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+Row = tuple[int, Bench, str, Callable[[], None], "float | None"]  # (tier, bench, label, run, timeout)
+
+
+def rows_of(b: Bench) -> list[Row]:
+    """One family's pipelined rows with their tiers: what matters most runs first, in every family, before
+    anything of the next tier (the budget may end the launch early): 0 PyTorch 1F1B eager and compiled;
+    1 fnpipe's first compiler (the default, auto) on the first two schedules; 2 the second compiler there;
+    3 the other schedules, both frameworks; 5 PyTorch's risky compiled schedules, under their watchdog."""
+    a = b.args
+    if b.world.size == 1 or a.single:
+        return []
+    compiled, compilers, scheds = _items(a.torch_compiled), _items(a.compilers), _items(a.schedules)
+    out: list[Row] = [(0, b, f"torch eager {s}", lambda s=s: run_torch(b, s, compiled=False), None)
+                      for s in _items(a.torch_eager)]
+    out += [(0 if k == 0 else 3, b, f"torch compiled {s}", lambda s=s: run_torch(b, s, compiled=True), None)
+            for k, s in enumerate(compiled)]
+    out += [(1 + min(i, 1) if j < 2 else 3, b, f"fnpipe {s} {c}", lambda s=s, c=c: run_fnpipe(b, s, compiler=c), None)
+            for i, c in enumerate(compilers) for j, s in enumerate(scheds)]
+    out += [(5, b, f"torch compiled {s}", lambda s=s: run_torch(b, s, compiled=True), a.risky_timeout)
+            for s in _items(a.torch_risky)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    b = Bench(parse_args(argv))
-    args, world = b.args, b.world
-    b.log(f"world {world.size} on {device_name(b)}, {b.name} config, {b.config.num_params() / 1e9:.3f} B params")
-    if world.size > 1 and not args.single:
-        for s in [] if args.no_torch else [x for x in args.torch_schedules.split(",") if x]:
-            guarded(b, f"torch {s}", lambda: run_torch(b, s))
-            b.sync_ranks()
-        for s in [] if args.no_fnpipe else [x for x in args.schedules.split(",") if x]:
-            guarded(b, f"fnpipe {s}", lambda: run_fnpipe(b, s))
-            b.sync_ranks()
-    if world.size == 1 or args.single or not args.no_one_gpu:
-        one_device_runs(b)
-    if world.size > 1 and not args.single:  # last: a compile per stage program, minutes
-        for s in [] if args.no_fnpipe else [x for x in args.inductor.split(",") if x]:
-            guarded(b, f"fnpipe {s}+inductor", lambda: run_fnpipe(b, s, compiler="inductor"))
-            b.sync_ranks()
-    if b.rank0:
+    args = parse_args(argv)
+    world = engine.init(timeout=args.timeout)
+    guard = Guard(args.budget, args.min_row, world.device, distributed=world.distributed)
+    size = "tiny" if args.tiny else "large" if args.large else "base"
+    fams = [family(name, size) for name in _items(args.families)]
+    benches = [Bench(args, world, f.with_layers(args.layers) if args.layers else f, guard) for f in fams]
+    for b in benches:
+        b.log(f"world {world.size} on {device_name(b)}, {b.fam.describe()}, {b.fam.num_params() / 1e9:.3f} B params")
+    rows = sorted((r for b in benches for r in rows_of(b)), key=lambda r: r[0])  # stable: family order kept
+    for _, b, label, run, timeout in (r for r in rows if r[0] < 5):
+        guarded(b, label, run, timeout=timeout)
+    for b in benches:
         finish(b)
-    b.sync_ranks()
+    one_gpu(args, world, benches, guard)
+    risky = [r for r in rows if r[0] == 5]  # last: a hang here ends the launch and loses nothing else
+    for _, b, label, run, timeout in risky:
+        guarded(b, label, run, timeout=timeout)
+    if risky and world.rank == 0:
+        for b in benches:
+            print("\n" + bench_report.summary(b.payload()), flush=True)
+    if world.rank == 0:
+        print(f"done in {guard.elapsed():.0f} s", flush=True)
     if world.distributed:
+        dist.barrier()
         dist.destroy_process_group()
+
+
+def one_gpu(args: argparse.Namespace, world: Any, benches: list[Bench], guard: Guard) -> None:
+    """The one-device rows of every family (rank 0; a model of --one-gpu-layers blocks), then its table."""
+    if not args.one_gpu_layers:
+        return
+    for b in benches:
+        solo = Bench(args, world, b.fam.with_layers(min(args.one_gpu_layers, b.fam.n_layers)), guard)
+        one_device_rows(solo)
+        b.rows += [{**r, "one_gpu_layers": solo.fam.n_layers} for r in solo.rows]
+        del solo
+        b.free()
+        if b.rank0:
+            b.save()
+            print(f"\n== {b.fam.name}, one device, {min(args.one_gpu_layers, b.fam.n_layers)} blocks")
+            print(bench_report.format_table([r for r in b.rows if r["schedule"] in ("1-gpu", "1-stage")]))
+            print("\n".join(t for t in bench_report.targets(b.rows) if "one stage" in t), flush=True)
 
 
 if __name__ == "__main__":

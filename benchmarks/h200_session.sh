@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# The GPU runs behind BENCHMARKS.md, in one call per part. Run from the repo root on an H200 machine:
-#   bash benchmarks/h200_session.sh two       # 2 GPUs: NCCL equivalence, base and large GPT against PyTorch
-#                                             # (fx and inductor-compiled stage programs)
-#   bash benchmarks/h200_session.sh inductor  # 2 GPUs: only the inductor rows, against PyTorch 1F1B
-#   bash benchmarks/h200_session.sh profile   # 1 GPU, then 2: one stage kernel by kernel, and inductor on base
+# The GPU runs behind BENCHMARKS.md, in one device call per part. Run from the repo root on an H200 machine:
+#   bash benchmarks/h200_session.sh two [gpt|llama|gpt,llama]
+#                                             # 2 GPUs (issue #15): PyTorch 1F1B eager and with compiled blocks
+#                                             # (every schedule it allows), fnpipe auto and fx for 1f1b / zb-h1 /
+#                                             # interleaved-1f1b / zbv, then a warm restart. Cold compiles make
+#                                             # both families' full set about 2 x 10 min: one family per call gets
+#                                             # every row; both in one call get the rows the budget allows, in
+#                                             # priority order (baselines, fnpipe's default on 1f1b / zb-h1, ...)
+#   bash benchmarks/h200_session.sh one       # 1 GPU: eager autograd, torch.func.grad, fnpipe one stage fx / auto
+#   bash benchmarks/h200_session.sh profile   # 1 GPU: one stage kernel by kernel against torch.func.grad
 #   bash benchmarks/h200_session.sh examples  # 2 GPUs: examples/train_gpt.py under torchrun and mpirun
 #   bash benchmarks/h200_session.sh four      # 4 GPUs: NCCL equivalence, depth 4, then DP2 x PP2
-# Writes JSON and the log under $OUT (else out/); each step has its own time limit, so one hang does not
-# take the others with it. The tables come last in the log.
+# Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
+# does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|inductor|profile|examples|four}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four}
+families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
 mkdir -p "$out" "$cal"
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$cal/inductor}  # compiled kernels, reused by later launches
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} OMP_NUM_THREADS=4
 log="$out/log_$part.txt"
 bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchmarks/gpu_pipeline.py "${@:4}"; }
@@ -20,46 +27,43 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
   date -u; nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv; nvidia-smi topo -m
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
   case $part in
-    two)  # at most 100 + 260 + 230 s: one call of the device tool
+    two)  # at most 440 + 120 s: the budgets end each launch in time, `timeout` is the backstop
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-      timeout 100 mpirun --allow-run-as-root -n 2 python3 tests/mpi/equivalence.py > "$out/equivalence.txt" 2>&1
-      echo "equivalence over NCCL, 2 ranks: exit $?, $(grep -c '^OK' "$out/equivalence.txt") OK lines"; tail -n 2 "$out/equivalence.txt"
-      bench 260 2 29514 --calibrate "$cal/cal_base.json" --torch-schedules 1f1b,gpipe,zb-h1,zbv \
-        --inductor 1f1b,zb-h1 --out "$out/bench_base.json"
-      bench 230 2 29515 --large --calibrate "$cal/cal_large.json" --schedules 1f1b,zb-h1 --torch-schedules 1f1b \
-        --inductor 1f1b,zb-h1 --no-one-gpu --out "$out/bench_large.json"
+      bench 470 2 29514 --budget 430 --families "$families" --calibrate "$cal" --one-gpu-layers 0 --timeout 300 \
+        --out-dir "$out"
+      # warm restart: the compile cache and calibration tables the launch above left, fnpipe's default only
+      mkdir -p "$out/warm"
+      bench 130 2 29515 --budget 115 --min-row 20 --families "$families" --calibrate "$cal" --schedules 1f1b --compilers auto \
+        --torch-eager "" --torch-compiled "" --torch-risky "" --one-gpu-layers 0 --warmup 1 --steps 3 --out-dir "$out/warm"
       ;;
-    inductor)
-      export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-      bench 330 2 29518 --calibrate "$cal/cal_base.json" --schedules "" --torch-schedules 1f1b --inductor 1f1b,zb-h1 \
-        --no-one-gpu --out "$out/bench_base_inductor.json"
-      bench 240 2 29519 --large --calibrate "$cal/cal_large.json" --schedules "" --torch-schedules 1f1b \
-        --inductor zb-h1 --no-one-gpu --out "$out/bench_large_inductor.json"
+    one)
+      export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+      timeout 560 python3 benchmarks/gpu_pipeline.py --single --budget 530 --families "$families" --one-gpu-layers 8 \
+        --calibrate "$cal" --out-dir "$out"
       ;;
     profile)
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_stage.py --calibrate "$cal/cal_base.json" \
-        --variants fx,remat1,inductor --out "$out/profile.json"
-      export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-      bench 330 2 29518 --calibrate "$cal/cal_base.json" --schedules "" --torch-schedules 1f1b --inductor 1f1b,zb-h1 \
-        --no-one-gpu --out "$out/bench_base_inductor.json"
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_stage.py --calibrate "$cal" \
+        --variants fx,cheap,inductor --out "$out/profile.json"
       ;;
     examples)
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
       timeout 200 torchrun --nproc_per_node 2 --master-port 29520 examples/train_gpt.py --steps 100 --schedule 1f1b \
-        --log-every 20
+        --log-every 20 --compiler fx
       timeout 200 mpirun --allow-run-as-root -n 2 python3 examples/train_gpt.py --steps 100 --schedule zb-h1 \
-        --log-every 20 --compiler inductor
+        --log-every 20
       ;;
     four)
-      timeout 150 mpirun --allow-run-as-root -n 4 python3 tests/mpi/equivalence.py > "$out/equivalence.txt" 2>&1
+      timeout 100 mpirun --allow-run-as-root -n 4 python3 tests/mpi/equivalence.py > "$out/equivalence.txt" 2>&1
       echo "equivalence over NCCL, 4 ranks: exit $?, $(grep -c '^OK' "$out/equivalence.txt") OK lines"; tail -n 2 "$out/equivalence.txt"
-      bench 240 4 29516 --calibrate "$cal/cal_base.json" --schedules gpipe,1f1b,interleaved-1f1b,zb-h1,zbv \
-        --torch-schedules 1f1b,gpipe,interleaved-1f1b,zbv --out "$out/bench_p4.json"
-      bench 180 4 29517 --dp 2 --calibrate "$cal/cal_base.json" --schedules 1f1b,zb-h1 --torch-schedules 1f1b,gpipe \
-        --out "$out/bench_dp2.json"
+      mkdir -p "$out/p4" "$out/dp2"
+      bench 300 4 29516 --budget 280 --families gpt,llama --calibrate "$cal" --one-gpu-layers 0 --compilers auto \
+        --torch-compiled 1f1b,interleaved-1f1b --torch-risky zbv --risky-timeout 60 --out-dir "$out/p4"
+      bench 180 4 29517 --budget 165 --families gpt --dp 2 --calibrate "$cal" --schedules 1f1b,zb-h1 --compilers fx,auto \
+        --torch-compiled 1f1b --torch-risky "" --one-gpu-layers 0 --out-dir "$out/dp2"
       ;;
-    *) echo "unknown part $part (two, inductor, profile, examples or four)"; exit 2 ;;
+    *) echo "unknown part $part (two, one, profile, examples or four)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"
-ls "$out"/bench_*.json > /dev/null 2>&1 && python3 benchmarks/bench_report.py "$out"/bench_*.json 2>&1 | tee "$out/tables_$part.txt"
+jsons=$(ls "$out"/bench_*.json "$out"/*/bench_*.json 2>/dev/null)
+[ -n "$jsons" ] && python3 benchmarks/bench_report.py $jsons 2>&1 | tee "$out/tables_$part.txt"

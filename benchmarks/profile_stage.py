@@ -1,7 +1,7 @@
 """Where one stage's time goes on one GPU: fnpipe's programs against plain torch.func.grad, kernel by kernel.
 
     PYTHONPATH=. python benchmarks/profile_stage.py [--large] [--calibrate cal.json] [--out $OUT/profile.json]
-                                                    [--variants fx,remat1,inductor]
+                                                    [--variants fx,cheap,inductor]
 
 The whole base GPT as one stage (8 microbatches of 4, bf16), as in gpu_pipeline.py's one-GPU rows:
 1. `step.traced`: each F and BW program timed with CUDA events, against the plan's predicted times;
@@ -45,16 +45,11 @@ def kernel_times(fn: Callable[[], Any], steps: int = 2) -> tuple[dict[str, tuple
 
 
 def variant_step(b: gpu_pipeline.Bench, variant: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
-    """A one-stage fnpipe step built as `variant` says, as a function returning the loss."""
-    import ir.autodiff
-
-    depth = ir.autodiff.CHAIN_DEPTH
-    if variant.startswith("remat"):
-        ir.autodiff.CHAIN_DEPTH = int(variant[len("remat"):])
-    try:
-        step = gpu_pipeline.alone_step(b, "1f1b", compiler="inductor" if variant == "inductor" else "fx")
-    finally:
-        ir.autodiff.CHAIN_DEPTH = depth
+    """A one-stage fnpipe step built as `variant` says, as a function returning the loss: "fx" (nothing
+    recomputed), "cheap" (fx with norms and pointwise chains recomputed: the level a tight memory limit or
+    inductor picks), "inductor"."""
+    step = gpu_pipeline.alone_step(b, "1f1b", compiler="inductor" if variant == "inductor" else "fx",
+                                   fused_recompute=True if variant == "cheap" else None)
     local = step.shard(b.params)
     return lambda: step(local, x, y)[0]
 
@@ -65,7 +60,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny GPT, no kernel profile")
     ap.add_argument("--calibrate", default=None)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--variants", default="fx", help="comma separated: fx, remat<N>, inductor")
+    ap.add_argument("--variants", default="fx", help="comma separated: fx, cheap, inductor")
     args = ap.parse_args()
     argv = ["--single", "--warmup", "2", "--steps", "3"] + (["--large"] if args.large else []) + \
         (["--tiny"] if args.tiny else []) + \

@@ -19,6 +19,8 @@ class Measurement:
     losses: tuple[float, ...]
     peak_bytes: tuple[int, ...] | None
     start_bytes: tuple[int, ...] | None = None
+    first_s: float | None = None  # the first (warm-up) step: compiles, allocator growth
+
 
     @property
     def median(self) -> float:
@@ -27,7 +29,8 @@ class Measurement:
     def to_json(self) -> dict[str, Any]:
         return {"median_s": self.median, "times_s": list(self.times), "losses": list(self.losses),
                 "peak_bytes": list(self.peak_bytes) if self.peak_bytes is not None else None,
-                "start_bytes": list(self.start_bytes) if self.start_bytes is not None else None}
+                "start_bytes": list(self.start_bytes) if self.start_bytes is not None else None,
+                "first_step_s": self.first_s}
 
 
 def _sync(device: torch.device) -> None:
@@ -55,7 +58,7 @@ def measure(step_fn: Callable[[], Any], *, loss_of: Callable[[Any], float], warm
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-    times, losses = [], []
+    times, losses, first = [], [], None
     for k in range(warmup + steps):
         if distributed:
             dist.barrier()
@@ -68,13 +71,16 @@ def measure(step_fn: Callable[[], Any], *, loss_of: Callable[[Any], float], warm
         del out
         if k >= warmup:
             times.append(dt)
+        if k == 0:
+            first = dt
         if label and (k == 0 or k == warmup - 1 or k == warmup + steps - 1):
             print(f"  {label}: step {k + 1}/{warmup + steps} {dt:.3f} s, loss {losses[-1]:.4f}", flush=True)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     if distributed:
         times = _spread(torch.tensor(times, dtype=torch.float64), device, "max").tolist()
     if peak is None:
-        return Measurement(tuple(times), tuple(losses), None)
+        return Measurement(tuple(times), tuple(losses), None, first_s=first)
     mem = torch.tensor([float(peak), float(start)], dtype=torch.float64)
     rows = _spread(mem, device, "gather") if distributed else mem[None]
-    return Measurement(tuple(times), tuple(losses), tuple(int(x) for x in rows[:, 0]), tuple(int(x) for x in rows[:, 1]))
+    return Measurement(tuple(times), tuple(losses), tuple(int(x) for x in rows[:, 0]), tuple(int(x) for x in rows[:, 1]),
+                       first_s=first)

@@ -25,6 +25,10 @@ their grads stay unsynced, silently: relative error 1.2 on the tiny model), so f
 all-reduced by hand after `schedule.step` instead (`average_grads`). Every stage is given its microbatch
 input and output shapes (`stage_io`), which also keeps PipelineStage's shape inference away from DDP.
 
+The same recipe runs the Llama of examples/llama_model.py (`family`: benchmarks.families), and with
+`compile_blocks` each transformer block is `torch.compile`d on its own, torchtitan's practice: the
+strongest PyTorch baseline.
+
 Only untied heads are supported: a tied head would live on the last stage while the embedding lives on
 the first, which PipelineStage cannot share (Megatron all-reduces the two copies' grads by hand).
 """
@@ -240,7 +244,7 @@ class TorchPipeline:
 
     def __init__(self, config: GPTConfig, params: Any, *, schedule: str, batch: int, microbatches: int,
                  device: torch.device, dtype: torch.dtype, dp: int = 1, v: int = 2,
-                 first_blocks: int | None = None) -> None:
+                 first_blocks: int | None = None, family: Any = None, compile_blocks: bool = False) -> None:
         from torch.distributed import pipelining
 
         self.layout = lay = make_layout(dp)
@@ -249,8 +253,13 @@ class TorchPipeline:
         self.split = even_split(config.n_layers, n, first_blocks)
         self.placement = [stage_indices(schedule, q, lay.p, self.v) for q in range(lay.p)]
         indices = self.placement[lay.position]
-        self.modules = [stage_module(config, params, self.split[i], first=i == 0, last=i == n - 1, device=device,
-                                     dtype=dtype) for i in indices]
+        make = family.stage_module if family is not None else functools.partial(stage_module, config)
+        self.modules = [make(params, self.split[i], first=i == 0, last=i == n - 1, device=device, dtype=dtype)
+                        for i in indices]
+        if compile_blocks:  # torchtitan's practice: each transformer block torch.compile'd on its own
+            for mod in self.modules:
+                for blk in (family.blocks_of(mod) if family is not None else mod.blocks).values():
+                    blk.compile(fullgraph=True)
         self.holds_first, self.holds_last = 0 in indices, n - 1 in indices
         self.ddp = dp > 1 and schedule not in SPLIT_BACKWARD
         mb = microbatch_size(batch, dp, microbatches)
@@ -299,12 +308,15 @@ def batch_loss(loss: torch.Tensor | None, device: torch.device, dp: int) -> floa
 
 def run(config: GPTConfig, params: Any, tokens: torch.Tensor, targets: torch.Tensor, *, schedule: str,
         microbatches: int, device: torch.device, dtype: torch.dtype, measure: Callable[..., Any], dp: int = 1,
-        v: int = 2, first_blocks: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """Build the baseline for `schedule` (`dp` replicas, `v` stages per rank where the schedule takes it),
-    then `measure(step_fn)`; returns (measurement, info)."""
+        v: int = 2, first_blocks: int | None = None, family: Any = None,
+        compile_blocks: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Build the baseline for `schedule` (`dp` replicas, `v` stages per rank where the schedule takes it;
+    `family`: a benchmarks.families.Family, else the GPT of `config`; `compile_blocks`: each block
+    torch.compile'd), then `measure(step_fn)`; returns (measurement, info)."""
     t0 = time.perf_counter()
     pipe = TorchPipeline(config, params, schedule=schedule, batch=tokens.shape[0], microbatches=microbatches,
-                         device=device, dtype=dtype, dp=dp, v=v, first_blocks=first_blocks)
+                         device=device, dtype=dtype, dp=dp, v=v, first_blocks=first_blocks, family=family,
+                         compile_blocks=compile_blocks)
     build_s = time.perf_counter() - t0
     x, y = (replica_batch(t, pipe.layout).to(device) for t in (tokens, targets))
     result = measure(lambda: pipe.step(x, y), loss_of=lambda out: batch_loss(out, device, dp))

@@ -15,6 +15,7 @@ from .parallelize import parallelize
 from .planning import cache as plancache
 from .planning.cache import PlanCacheError
 from .planning.plan import Plan, StagePlan
+from .planning.recipe import Recipe
 from .planning.search import plan
 from .training import checkpoint, optim, precision
 from .training.checkpoint import CheckpointError
@@ -26,7 +27,7 @@ _compat.install()
 
 __all__ = [
     "CheckpointError", "CommOp", "CommTimeoutError", "EngineError", "Footprint", "InputError", "Instr", "ModuleError", "Plan", "PlanCacheError",
-    "PlanError", "Program", "RuntimeMismatchError", "SplitError", "StagePlan", "Step", "World", "checkpoint",
+    "PlanError", "Program", "Recipe", "RuntimeMismatchError", "SplitError", "StagePlan", "Step", "World", "checkpoint",
     "footprint", "functionalize", "init", "logs", "mixed_precision", "optim", "parallelize", "plan", "plancache", "precision",
     "progress", "report",
 ]

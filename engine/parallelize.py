@@ -16,12 +16,14 @@ from torch.utils import _pytree as pytree
 
 from .errors import PlanError, require_function
 from .execution import launch
+from .execution.compilers import resolve, use_cache_dir
 from .execution.executor import COMPILERS, Hook, check_compiler
 from .execution.inputs import check_mode
 from .execution.step import Step, connect, microbatch_example
 from .planning import cache as plancache
 from .planning.artifacts import Planned, Workshop, lowered_table, planned_from
 from .planning.candidates import batch_size_of
+from .planning.recipe import Recipe, recipe_of
 from .planning.replicas import requested as requested_replicas
 from .planning.search import schedule_builder, search
 from .training.precision import mixed_precision
@@ -30,14 +32,16 @@ log = logging.getLogger("engine.runtime")
 
 
 def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.PathLike, *, microbatches: Any,
-                dp: Any) -> Any:
+                dp: Any, compiler: str = "fx") -> Any:
     """Rank 0 times the model's ops on its device, all ranks get the table. A table saved at `where` is
     loaded first and only the signatures it lacks are timed (another microbatch size or dp makes new
-    shapes); the grown table is saved back. If rank 0 fails, every rank raises with its error."""
+    shapes); the grown table is saved back. With `compiler` other than fx (as resolved for the device),
+    the model's programs compiled by it are timed too (`Calibration.compiled`). If rank 0 fails, every
+    rank raises with its error."""
     table, error = None, None
     if world.rank == 0:
         try:
-            table = _calibrate_here(world, workshop, where, microbatches, dp)
+            table = _calibrate_here(world, workshop, where, microbatches, dp, compiler)
         except Exception as exc:  # noqa: BLE001 -- re-raised below, after the others have heard of it
             error = exc
     if world.distributed:  # always: rank 0's table wins, whatever each rank found on disk
@@ -55,7 +59,7 @@ def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.
 
 
 def _calibrate_here(world: launch.World, workshop: Workshop, where: bool | str | os.PathLike, microbatches: Any,
-                    dp: Any) -> Any:
+                    dp: Any, compiler: str = "fx") -> Any:
     from .planning.calibration import Calibration, calibrate_training
 
     path = None if where is True else os.fspath(where)
@@ -65,8 +69,9 @@ def _calibrate_here(world: launch.World, workshop: Workshop, where: bool | str |
     graph = workshop.graph(batch_size_of(workshop.batch) // parts)
     real = pytree.tree_leaves((workshop.params, example))
     inputs = real if all(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in real) else None
-    table = calibrate_training(graph, world.device, calibration=known, inputs=inputs, 
-                               compile_program=COMPILERS["fx"])
+    others = {} if compiler == "fx" else {compiler: COMPILERS[compiler]}
+    table = calibrate_training(graph, world.device, calibration=known, inputs=inputs,
+                               compile_program=COMPILERS["fx"], compiled=others)
     if path is not None and table != known:
         table.save(path)
     return table
@@ -78,8 +83,9 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None,
                 plan_cache: str | os.PathLike | None = None,
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
-                compute_dtype: torch.dtype | None = None, compiler: str = "fx", has_aux: bool = False,
-                check_inputs: str = "first", replicas: Sequence[int] | str | None = None) -> Step:
+                compute_dtype: torch.dtype | None = None, compiler: str = "auto", has_aux: bool = False,
+                check_inputs: str = "first", shard_optimizer: bool | str = False, recipe: Recipe | None = None,
+                replicas: Sequence[int] | str | None = None) -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
@@ -98,13 +104,19 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     do not fit memory without it; `step.plan.recompute` says which). `compute_dtype` (e.g.
     torch.bfloat16) runs the model with its float params cast to that dtype inside the graph while
     params and grads keep theirs (engine.precision.mixed_precision; grads are then those of that function).
-    `compiler` runs each stage program as generated fx Python ("fx", the default: eager's kernels, no
-    compile time) or compiled by torch.compile's inductor ("inductor": fused kernels, a compile per
-    stage program at the first step). `replicas` is how many ranks run each pipeline stage, like (2, 1): stage 0
-    on two ranks, each running every other microbatch, stage 1 on one (world = sum x dp); "auto" (the default
-    when stages or dp is "auto") lets the planner choose unequal counts where it predicts a faster step
-    (engine.planning.replicas). `timeout` (positive seconds) bounds every wait; the step holds
+    `compiler` runs each stage program as generated fx Python ("fx": eager's kernels, no compile time),
+    compiled by torch.compile's inductor ("inductor": fused kernels, a compile per distinct stage program,
+    paid here, kept on disk for the next run), or "auto" (the default): inductor on CUDA, fx elsewhere
+    (engine.execution.compilers; `step.compile_seconds` says what each stage's compile took). `replicas` is how many ranks
+    run each pipeline stage, like (2, 1): stage 0 on two ranks, each running every other microbatch, stage 1 on
+    one (world = sum x dp); "auto" (the default when stages or dp is "auto") lets the planner choose unequal
+    counts where it predicts a faster step (engine.planning.replicas). `timeout` (positive seconds) bounds every
+    wait; the step holds
     process groups until `step.close()` (or the end of `with engine.parallelize(...) as step:`).
+    `shard_optimizer` (ZeRO-1: True, False, or "auto": where a layout fits only so) splits the optimizer
+    state over each stage's dp replicas: the step's grads are then each replica's part, and
+    `engine.optim.ShardedOptimizer(step, engine.optim.adamw, ...)` sums, clips and steps them
+    (engine/training/zero.py). `recipe` (engine.Recipe) is the training the memory is planned for.
     """
     require_function(loss_fn, "engine.parallelize")
     if compute_dtype is not None:
@@ -112,16 +124,31 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     _check_options(compiler, check_inputs)
     replicas = requested_replicas(replicas)  # before any communication: every rank refuses a bad count alike
     build = schedule_builder(schedule)
+    recipe = training_recipe(recipe, shard_optimizer)
     world = launch.init(timeout)
     workshop = Workshop(loss_fn, params, example_batch, device=world.device.type, has_aux=has_aux)
+    compiler = resolve(compiler, world.device)  # "auto": inductor on CUDA, fx elsewhere
     planned = _planned(world, workshop, loss_fn, params, example_batch, schedule=schedule, build=build,
-                       plan_cache=plan_cache, calibrate=calibrate, options=dict(
+                       plan_cache=plan_cache, calibrate=calibrate, compiler=compiler, options=dict(
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
-                           recompute=recompute, has_aux=has_aux, **({} if replicas is None else {"replicas": replicas})))
+                           recompute=recompute, has_aux=has_aux, fused_recompute=compiler == "inductor",
+                           **({"recipe": recipe} if recipe else {}), **({} if replicas is None else {"replicas": replicas})))
+    use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     return _checked(step, planned.entry)
+
+
+def training_recipe(recipe: Recipe | None, shard_optimizer: bool | str) -> Recipe | None:
+    """The recipe to plan for: the user's, or one that only says shard_optimizer (Adam in the params' dtype)."""
+    recipe = recipe_of(recipe)
+    if recipe is None:
+        return Recipe(shard_optimizer=shard_optimizer) if shard_optimizer is not False else None
+    if shard_optimizer is not False and shard_optimizer != recipe.shard_optimizer:
+        raise PlanError(f"shard_optimizer={shard_optimizer!r} but recipe.shard_optimizer="
+                        f"{recipe.shard_optimizer!r}; give it once, in the recipe")
+    return recipe
 
 
 def _checked(step: Step, entry: plancache.CachedPlan | None) -> Step:
@@ -129,9 +156,11 @@ def _checked(step: Step, entry: plancache.CachedPlan | None) -> Step:
     programs = step.verify()
     if entry is not None:
         plancache.record_programs(entry, programs, write=step.world.rank == 0)
-    if step.world.device.type == "cuda":
+    if step.world.device.type == "cuda" or step.executor.compiler != "fx":  # kernels loaded, programs compiled
         step.executor.warmup(step.local_stages)
     log.info("rank %d: %s", step.world.rank, step.program)
+    for stage, seconds in sorted(step.compile_seconds.items()):
+        log.info("rank %d: stage %d compiled in %.1f s (%s)", step.world.rank, stage, seconds, step.executor.compiler)
     return step
 
 
@@ -151,13 +180,14 @@ class _Found:
 
 
 def _planned(world: launch.World, workshop: Workshop, loss_fn: Callable, params: Any, batch: Sequence[Any], *,
-             schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any,
+             schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any, compiler: str,
              options: dict[str, Any]) -> _Found:
     """The plan with its artefacts: searched here, or loaded from the plan cache and its stage programs
-    built (once each) for it."""
+    built (once each) for it. A calibrated plan is costed as `compiler`'s programs run."""
     if calibrate:
-        options["calibration"] = calibration(world, workshop, calibrate, microbatches=options["microbatches"],
-                                             dp=options["dp"])
+        table = calibration(world, workshop, calibrate, microbatches=options["microbatches"], dp=options["dp"],
+                            compiler=compiler)
+        options["calibration"] = table.for_compiler(compiler)
     if plan_cache is None:
         return _Found(search(loss_fn, params, *batch, world_size=world.size, schedule=schedule, workshop=workshop,
                              build=build, **options), None)

@@ -8,7 +8,9 @@
         engine.report.save_timeline_png(every, "timeline.png")
         engine.execution.spans.save_perfetto(every, "trace.json")   # ui.perfetto.dev
 
-Ratios are measured / predicted: above 1 the plan was optimistic. Times are medians over microbatches of
+Ratios are measured / predicted: above 1 the plan was optimistic. Per stage the table also says its
+recomputation ("no", "cheap": norms and pointwise chains, "full": the forward) and the seconds its programs
+took to compile on this rank ("-": fx programs, or another rank's stage). Times are medians over microbatches of
 one traced step; an instruction's time includes waiting for the inputs it receives (the runtime waits
 for a receive when it first reads the buffer), so stalls show up in the stage that waited. Measured
 memory is `torch.cuda.max_memory_allocated` on GPU (pass `memory` for ranks other than this one), absent
@@ -87,15 +89,18 @@ def compare(step: Any, spans: Sequence[Span], *, memory: Mapping[int, float] | N
     stages = sorted({s.stage for s in spans if s.kind in COMPUTE})
     kinds = [(kind, k) for kind, k in KINDS if any(key[1] == kind for key in measured)]  # those the schedule ran
     header = ["stage", "rank", "recompute"]
+    compiled = getattr(step, "compile_seconds", {})
     for _, k in kinds:
         header += [f"{k} pred ms", f"{k} meas ms", f"{k} ratio"]
+    header.append("compile s")
     rows = []
     for st in stages:
-        row = [str(st), str(plan.stages[st].rank), "yes" if plan.recompute[st] else "no"]
+        level = "full" if plan.recompute[st] else "cheap" if plan.remat[st] else "no"
+        row = [str(st), str(plan.stages[st].rank), level]
         for kind, _ in kinds:
             pred, meas = _predicted(plan, st, kind), measured.get((st, kind))
             row += [_ms(pred), _ms(meas), _ratio(meas, pred)]
-        rows.append(row)
+        rows.append([*row, f"{compiled[st]:.1f}" if st in compiled else "-"])
     mem = dict(measured_memory(step) if memory is None else memory)
     ranks = sorted({s.rank for s in spans})
     replayed = step.memory()

@@ -4,7 +4,8 @@
     PYTHONPATH=. torchrun --nproc_per_node 2 --master-port 29512 examples/train_gpt.py --schedule zbv
     PYTHONPATH=. mpirun -n 2 python examples/train_gpt.py --schedule 1f1b --microbatches 8
     # GPUs: NCCL and bf16; --size small (default with CUDA) or base (the benchmark's 16 x 2048 GPT);
-    # --compiler inductor compiles each stage program (a minute at the first step, faster steps after)
+    # --compiler auto (the default) compiles each stage program with inductor on CUDA (a minute the first
+    # time, seconds from the compile cache after), fx elsewhere; --compiler fx runs eager's kernels
 
 The data is a learnable pattern: a fixed random successor for each of the first `--pattern-vocab` token
 ids, so each sequence is a walk `t, succ[t], succ[succ[t]], ...` from a random start. Cross-entropy starts
@@ -91,8 +92,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16" if cuda else "float32")
-    ap.add_argument("--compiler", choices=("fx", "inductor"), default="fx",
-                    help="stage programs as generated fx code, or compiled by torch.compile at the first step")
+    ap.add_argument("--compiler", choices=("auto", "fx", "inductor"), default="auto",
+                    help="stage programs as generated fx code, or compiled by torch.compile in parallelize; "
+                    "auto: inductor on CUDA, fx on CPU")
     ap.add_argument("--pattern-vocab", type=int, default=512, help="token ids the synthetic walks use")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)

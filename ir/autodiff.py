@@ -4,6 +4,12 @@ and B + W fused into one backward for schedules that run them together.
 The joint `outputs, vjp(cotangents)` of a stage is traced once at ATen level; its equations are split by
 ancestry: F computes the outputs, B what the input grads need beyond F, W the rest. No equation runs
 in both B and W; every value one part hands to a later one is an explicit slot.
+
+What F saves for the backward is a choice with three levels (`recompute`), made per stage by the planner:
+False saves every value B and W read (views are rebuilt from their base: free, no kernel), so the
+backward runs exactly eager autograd's kernels; "cheap" rebuilds norms, copies and pointwise chains from
+operands at hand instead of saving them (less memory, extra memory-bound kernels); True keeps only the
+stage's outputs and B redoes the forward (activation recomputation).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .compile import compile_graph
 from .core import Eqn, Graph, Var
 from .device import available, device_type, retarget
+from .errors import IRError
 from .fx_import import FxImporter
 from .purify import is_view, remove_mutation, resolve
 from .slicing import slice_graph
@@ -146,11 +153,18 @@ def recomputable(e: Eqn) -> bool:
     return is_view(op) or torch.Tag.pointwise in op.tags or e.op in CHEAP
 
 
-def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set[int], set[int]]:
+def free_to_redo(e: Eqn) -> bool:
+    """Redone in the backward at no cost: views (metadata only; the base they read is what is kept)."""
+    return is_view(resolve(e.op))
+
+
+def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = recomputable
+                   ) -> tuple[set[int], set[int]]:
     """F equations to recompute in B (`rb`) and in W (`rw`) instead of saving their outputs.
 
-    A value a part reads is recomputed there when a chain of at most CHAIN_DEPTH cheap equations (views,
-    pointwise, layer norms, copies) makes it from operands at hand anyway (an input, a value that
+    A value a part reads is recomputed there when a chain of at most CHAIN_DEPTH equations that `redo`
+    accepts (by default the cheap ones: views, pointwise, layer norms, copies; `free_to_redo`: views
+    only) makes it from operands at hand anyway (an input, a value that
     part computes, or a value saved for another reason), so the saved bytes only fall: `gelu(fc)` and
     its view are redone from `fc`, which the gelu's backward keeps. A value both B and W need is
     recomputed in B and handed to W, so no equation runs in both B and W.
@@ -169,7 +183,7 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set
                 return x in prim or x in saved or j in part or j in done  # noqa: B023
 
             for v in _reads(g, part | remat):
-                chain = _chain(g, prod, v, f, done, at_hand, CHAIN_DEPTH)
+                chain = _chain(g, prod, v, f, done, at_hand, CHAIN_DEPTH, redo)
                 if chain:
                     remat |= chain
                     done |= chain
@@ -180,16 +194,16 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set
 
 
 def _chain(g: Graph, prod: dict[Var, int], v: Any, f: set[int], done: set[int], at_hand: Any,
-           depth: int) -> set[int] | None:
-    """Cheap F equations that recompute `v` from values `at_hand`, or None if there is no such chain."""
+           depth: int, redo: Any = recomputable) -> set[int] | None:
+    """F equations (`redo` accepts each) that recompute `v` from values `at_hand`, or None if there is none."""
     j = prod.get(v)
-    if depth == 0 or j is None or j not in f or j in done or not recomputable(g.eqns[j]):
+    if depth == 0 or j is None or j not in f or j in done or not redo(g.eqns[j]):
         return None
     chain = {j}
     for x in g.eqns[j].inputs:
         if at_hand(x):
             continue
-        sub = _chain(g, prod, x, f, done, at_hand, depth - 1)
+        sub = _chain(g, prod, x, f, done, at_hand, depth - 1, redo)
         if sub is None:
             return None
         chain |= sub
@@ -200,6 +214,23 @@ def _recompute_all(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set
     """Every F equation that B or W depends on is redone in B (W takes what it needs from B)."""
     needed = {v for v in _reads(g, b | w) if g.producers().get(v) in f}
     return _ancestors(g, list(needed), set()) & f, set()
+
+
+# recompute level -> (F equations redone in B, redone in W)
+RECOMPUTE: dict[Any, Any] = {
+    False: lambda g, f, b, w: _rematerialize(g, f, b, w, free_to_redo),  # views only: eager autograd's kernels
+    "cheap": _rematerialize,                                               # norms, copies, pointwise chains
+    True: _recompute_all,                                                  # the whole forward
+}
+
+
+def recompute_level(value: Any) -> bool | str:
+    """A recompute level: False, "cheap" or True (IRError otherwise)."""
+    for level in RECOMPUTE:
+        if value is level or (isinstance(value, str) and value == level):
+            return level  # type: ignore[no-any-return]
+    raise IRError(f"recompute must be False (save what the backward reads), 'cheap' (redo norms and pointwise "
+                  f"chains) or True (redo the forward), got {value!r}")
 
 
 def _reads(g: Graph, idx: set[int]) -> set[Var]:
@@ -251,7 +282,7 @@ def _at_first_use(eqns: Sequence[Eqn], lazy: set[int]) -> tuple[Eqn, ...]:
 
 
 def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: Sequence[int] = (),
-                   device: str | None = None, recompute: bool = False) -> StageAD:
+                   device: str | None = None, recompute: bool | str = False) -> StageAD:
     """Forward / B / W graphs for a stage graph `g` (see StageAD). B differentiates the non-param
     float inputs except those in `constant` (batch leaves), W the float params (the first
     `g.num_params` inputs). Outputs in `constant_outputs` (a loss function's aux values) are computed by
@@ -264,7 +295,11 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: 
 
     `recompute=True` is activation recomputation: F keeps nothing but the stage's outputs, and B
     redoes the forward work that B and W need (from the stage's inputs) before differentiating.
+    `recompute="cheap"` redoes only norms, copies and short pointwise chains from operands kept anyway;
+    False (the default) saves all B and W read, so the backward runs no extra kernels (see the module
+    docstring).
     """
+    level = recompute_level(recompute)
     n_in = len(g.inputs)
     skip = set(constant)
     diff_in = [i for i, v in enumerate(g.inputs) if _differentiable(v) and i not in skip]
@@ -278,7 +313,7 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: 
     f_idx = _ancestors(jg, outs, set())
     b_idx = _ancestors(jg, act_grads, f_idx)
     w_idx = _ancestors(jg, param_grads, f_idx | b_idx)
-    rb, rw = _recompute_all(jg, f_idx, b_idx, w_idx) if recompute else _rematerialize(jg, f_idx, b_idx, w_idx)
+    rb, rw = RECOMPUTE[level](jg, f_idx, b_idx, w_idx)
     b_part, w_part = b_idx | rb, w_idx | rw
     prod = jg.producers()
     slot = {v: i for i, v in enumerate(jg.inputs)}

@@ -31,8 +31,14 @@ def channels(planned: Planned) -> list[tuple[int, int]]:
 
 
 def reduce_groups(planned: Planned) -> list[tuple[int, ...]]:
-    """The world ranks that sum a grad leaf together (tied leaves across stages, replicas of a stage, dp)."""
-    return list(routing.grad_groups(planned.plan, planned.stages, planned.table, planned.num_params))
+    """The world ranks that sum a grad leaf together (tied leaves across stages, replicas of a stage, dp); with
+    ZeRO-1 also each pipeline position's dp group, which the sharded optimizer reduce-scatters over."""
+    plan = planned.plan
+    groups = list(routing.grad_groups(plan, planned.stages, planned.table, planned.num_params))
+    if plan.shard_optimizer and plan.dp > 1:  # equal replicas only (Plan refuses ZeRO-1 with unequal ones)
+        p = plan.pipeline_depth
+        groups += [tuple(d * p + q for d in range(plan.dp)) for q in range(p)]
+    return groups
 
 
 def common_fingerprint(planned: Planned) -> str:

@@ -24,6 +24,7 @@ class _Emitter:
         self.out: list[Instr] = []
         self.comm: list[CommOp] = []
         self.next_buf = 0
+        self.grad_refs: dict[int, dict[int, str]] = {}
 
     def buf(self) -> str:
         self.next_buf += 1
@@ -78,10 +79,12 @@ class _Emitter:
         self._backward("backward", self.infos[s].ad.backward, s, mb, self._grad_refs(s))
 
     def _grad_refs(self, s: int) -> dict[int, str]:
-        """Param grad slots -> the accumulated grads `g<leaf>` they add into."""
-        info = self.infos[s]
-        return {info.ad.grad_slots[i]: f"g{pid}" for i, pid in enumerate(info.stage.param_ids)
-                if info.ad.grad_slots[i] is not None}
+        """Param grad slots -> the accumulated grads `g<leaf>` they add into (per stage, made once)."""
+        if s not in self.grad_refs:
+            info = self.infos[s]
+            self.grad_refs[s] = {info.ad.grad_slots[i]: f"g{pid}" for i, pid in enumerate(info.stage.param_ids)
+                                 if info.ad.grad_slots[i] is not None}
+        return self.grad_refs[s]
 
     def _backward(self, kind: str, part: ir.Part, s: int, mb: int, outs: dict[int, str] | None = None) -> None:
         """Seed the loss grad (last stage) or take the cotangents, run `part`, hand input grads on."""

@@ -8,6 +8,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import ir
 
+from .compilers import COMPILERS, CompileLog, check_compiler, resolve  # noqa: F401 -- check_compiler re-exported
 from .emit import StageInfo
 from .program import COMPUTE, Instr, Program
 from .spans import Tracer
@@ -24,7 +25,9 @@ class Executor:
                  compiler: str = "fx") -> None:
         self.program, self.infos, self.transport = program, infos, transport
         self.m, self.dp, self.device, self.hook = microbatches, dp, device, hook
-        self.compile = COMPILERS[check_compiler(compiler)]
+        self.compiler = resolve(compiler, device)  # "auto": inductor on CUDA, fx elsewhere
+        self.compile = COMPILERS[self.compiler]
+        self.compile_log = CompileLog()
         self.tracer: Tracer | None = None
         self.parts: dict[tuple[int, str, tuple[int, ...]], Callable[..., Any]] = {}  # (stage, kind, accumulate)
         last = infos[-1]
@@ -82,7 +85,8 @@ class Executor:
     def _part(self, stage: int, kind: str, accumulate: tuple[int, ...] = ()) -> Callable[..., Any]:
         key = (stage, kind, accumulate)
         if key not in self.parts:
-            self.parts[key] = self.compile(getattr(self.infos[stage].ad, kind).graph, accumulate)
+            self.parts[key] = self.compile_log.wrap(self.compile, stage, kind, getattr(self.infos[stage].ad, kind).graph,
+                                                    accumulate)
         return self.parts[key]
 
     def accumulator(self, ref: str) -> torch.Tensor:
@@ -200,23 +204,6 @@ class Executor:
 def _summed(dtype: torch.dtype) -> torch.dtype:
     """The dtype a loss or aux leaf is summed over microbatches in: float64 stays, the rest sum in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _inductor(graph: ir.Graph, accumulate: tuple[int, ...]) -> Callable[..., Any]:
-    """The fx program of `graph`, compiled by torch.compile's inductor (fused kernels, static shapes)."""
-    return torch.compile(ir.compile_graph(graph, accumulate), backend="inductor", fullgraph=True, dynamic=False)
-
-
-COMPILERS: dict[str, Callable[[ir.Graph, tuple[int, ...]], Callable[..., Any]]] = {
-    "fx": ir.compile_graph,  # generated Python calling ATen ops one by one: eager's per-op cost
-    "inductor": _inductor,
-}
-
-
-def check_compiler(name: str) -> str:
-    if name not in COMPILERS:
-        raise ValueError(f"compiler must be one of {', '.join(map(repr, COMPILERS))}, got {name!r}")
-    return name
 
 
 

@@ -1,4 +1,9 @@
-"""Bootstrap: join the ranks started by mpirun, torchrun or plain python, and pick the device."""
+"""Bootstrap: join the ranks started by mpirun, torchrun or plain python, and pick the device.
+
+Addresses: under mpirun on one host everything is loopback; across hosts (MPI's shared-memory
+communicator smaller than the world) rank 0 offers an address every rank reached, or
+FNPIPE_MASTER_ADDR; under torchrun the master is its MASTER_ADDR. engine/execution/netaddr.py says how.
+"""
 from __future__ import annotations
 
 import atexit
@@ -12,7 +17,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError
+from ..errors import EngineError, PlanError
+from . import netaddr
 
 log = logging.getLogger("engine.launch")
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -50,11 +56,15 @@ def _init_from_mpi(timeout: datetime.timedelta) -> tuple[int, int, int]:
     local, one_host = node.Get_rank(), node.Get_size() == size
     if size == 1:
         return 0, 1, 0
-    if one_host:
+    override = os.environ.get("FNPIPE_MASTER_ADDR") or os.environ.get("FNPIPE_HOST")  # FNPIPE_HOST: old name
+    if one_host and not override and not os.environ.get("FNPIPE_MULTIHOST"):
         _loopback_only()
+        host = "127.0.0.1"
+    else:  # several hosts (netaddr's docstring): an address every rank reaches, gloo on its interface
+        host = _bcast_text(comm, override or "") or _reached_by_all(comm, rank)
+        netaddr.use_interface_towards(host)
     store = None
     if rank == 0:  # rank 0 binds port 0 (the OS picks a free one) and tells the others through MPI
-        host = "127.0.0.1" if one_host and not os.environ.get("FNPIPE_MULTIHOST") else _host_address()
         store, port = _master_store(host, size, timeout)
         addr = f"{host} {port}"
     else:
@@ -67,9 +77,25 @@ def _init_from_mpi(timeout: datetime.timedelta) -> tuple[int, int, int]:
     return rank, size, local
 
 
-def _host_address() -> str:
-    """This host's address for the other hosts: FNPIPE_HOST if set, else what its name resolves to."""
-    return os.environ.get("FNPIPE_HOST") or socket.gethostbyname(socket.gethostname())
+def _reached_by_all(comm, rank: int) -> str:  # type: ignore[no-untyped-def]
+    """Rank 0's first address that every rank opened a TCP connection to (a collective)."""
+    from array import array
+
+    from mpi4py import MPI
+
+    listener, port = netaddr.probe_listener() if rank == 0 else (None, 0)
+    offer = f"{','.join(netaddr.candidates())} {port}" if rank == 0 else ""
+    addrs_text, port_text = _bcast_text(comm, offer).split()
+    addrs = addrs_text.split(",")
+    ok = array("i", [1] * len(addrs) if rank == 0 else [int(x) for x in netaddr.reachable(addrs, int(port_text))])
+    comm.Allreduce(MPI.IN_PLACE, [ok, MPI.INT], op=MPI.MIN)
+    if listener is not None:
+        listener.close()
+    if not any(ok):
+        raise EngineError(f"rank {rank}: no address of rank 0's host ({', '.join(addrs)}) is reachable from every "
+                          "rank over TCP; set FNPIPE_MASTER_ADDR to an address of rank 0's host that the other "
+                          "hosts reach (and open its ports), e.g. FNPIPE_MASTER_ADDR=10.0.0.1 mpirun ...")
+    return addrs[list(ok).index(1)]
 
 
 def _master_store(host: str, size: int, timeout: datetime.timedelta) -> tuple[dist.TCPStore, int]:
@@ -158,6 +184,9 @@ def init(timeout: float = 60.0) -> World:
         if size > 1:  # env:// joins torchrun's own store (TORCHELASTIC_USE_AGENT_STORE) correctly
             if int(os.environ.get("LOCAL_WORLD_SIZE", -1)) == size:
                 _loopback_only()
+            else:  # torchrun --nnodes N: the master is given; gloo goes out the interface that reaches it
+                netaddr.check_master(os.environ["MASTER_ADDR"], log)
+                netaddr.use_interface_towards(os.environ["MASTER_ADDR"])
             _init_pg(store=None, rank=rank, size=size, local=local, timeout=td)
     elif any(k in os.environ for k in MPI_ENV):
         rank, size, local = _init_from_mpi(td)

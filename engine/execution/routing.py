@@ -23,6 +23,7 @@ replicas in every dp replica (a tied leaf: over every rank of every stage that r
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Sequence
 
 import attrs
@@ -50,15 +51,27 @@ def place(plan: Plan, rank: int) -> Place:
     return Place(group, position, replica)
 
 
+@functools.lru_cache(maxsize=64)
+def _offsets(counts: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """Ranks per dp replica, and the first rank of each position inside one (kept: called per transfer)."""
+    return sum(counts), tuple(itertools.accumulate(counts, initial=0))
+
+
 def world_rank(plan: Plan, dp_replica: int, position: int, microbatch: int) -> int:
     """The world rank of `dp_replica` that runs `microbatch` at `position`."""
-    return dp_replica * sum(plan.replicas) + plan.routing.rank_of(position, microbatch)
+    n, first = _offsets(plan.replicas)
+    return dp_replica * n + first[position] + microbatch % plan.replicas[position]
 
 
 def position_ranks(plan: Plan, position: int) -> tuple[int, ...]:
     """Every world rank that runs `position` (each of its replicas, in every dp replica)."""
-    n = sum(plan.replicas)
-    return tuple(d * n + r for d in range(plan.dp) for r in plan.routing.ranks(position))
+    return _position_ranks(plan.replicas, plan.dp, position)
+
+
+@functools.lru_cache(maxsize=4096)
+def _position_ranks(counts: tuple[int, ...], dp: int, position: int) -> tuple[int, ...]:
+    n, first = _offsets(counts)
+    return tuple(d * n + first[position] + k for d in range(dp) for k in range(counts[position]))
 
 
 def row(plan: Plan, table: schedules.Table, rank: int) -> tuple[schedules.Action, ...]:
@@ -88,27 +101,33 @@ def microbatches(plan: Plan, rank: int) -> tuple[int, ...]:
 
 
 def channels(plan: Plan, table: schedules.Table) -> list[tuple[int, int]]:
-    """Every ordered (sender, receiver) pair of world ranks that exchange tensors."""
-    pairs = set()
-    for me in range(plan.world_size):
-        group = me // sum(plan.replicas)
+    """Every ordered (sender, receiver) pair of world ranks that exchange tensors: those of dp replica 0's
+    rows (one table row per position with one rank each), repeated in every dp replica."""
+    n = sum(plan.replicas)
+    local = set()
+    for me in range(n):
         for action in row(plan, table, me):
             if action.is_comm:
-                peer = world_rank(plan, group, table.rank_of(action.peer_stage), action.microbatch)
-                pairs.add((me, peer) if action.is_send else (peer, me))
-    return sorted(pairs)
+                peer = world_rank(plan, 0, table.rank_of(action.peer_stage), action.microbatch)
+                local.add((me, peer) if action.is_send else (peer, me))
+    return sorted((d * n + a, d * n + b) for d in range(plan.dp) for a, b in local)
 
 
 def grad_groups(plan: Plan, infos: Sequence[StageInfo], table: schedules.Table,
                 num_params: int) -> dict[tuple[int, ...], list[int]]:
-    """World ranks that hold a copy of each param leaf's grad -> the leaves they must sum."""
+    """World ranks that hold a copy of each param leaf's grad -> the leaves they must sum. With ZeRO-1
+    (`plan.shard_optimizer`) only the copies inside each dp replica: the dp sum is the optimizer's
+    reduce-scatter (engine/training/zero.py)."""
     users: dict[int, set[int]] = {}
     for info in infos:
         for pid in info.stage.param_ids:
             users.setdefault(pid, set()).add(table.rank_of(info.stage.index))
+    n = sum(plan.replicas)
+    parts = [(d,) for d in range(plan.dp)] if plan.shard_optimizer else [tuple(range(plan.dp))]
     groups: dict[tuple[int, ...], list[int]] = {}
     for pid in range(num_params):
-        ranks = tuple(sorted(r for q in users.get(pid, {0}) for r in position_ranks(plan, q)))
-        if len(ranks) > 1:
-            groups.setdefault(ranks, []).append(pid)
+        for part in parts:
+            ranks = tuple(sorted(r for q in users.get(pid, {0}) for r in position_ranks(plan, q) if r // n in part))
+            if len(ranks) > 1:
+                groups.setdefault(ranks, []).append(pid)
     return dict(sorted(groups.items()))

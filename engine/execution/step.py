@@ -53,7 +53,7 @@ class Step:
     """
 
     def __init__(self, planned: Planned, world: launch.World, transport: Transport, *, hook: Hook | None = None,
-                 compiler: str = "fx", program: Program | None = None, check_inputs: str = "first") -> None:
+                 compiler: str = "auto", program: Program | None = None, check_inputs: str = "first") -> None:
         self.planned, self.world, self.transport = planned, world, transport
         self.plan, self.graph, self.infos, self.table = planned.plan, planned.graph, planned.stages, planned.table
         self.programs = Programs(planned, {world.rank: program} if program is not None else None)
@@ -83,6 +83,11 @@ class Step:
         for pid in self.unused:  # held by pipeline position 0 of every replica
             out.setdefault(pid, set()).update(routing.position_ranks(self.plan, 0))
         return {pid: tuple(sorted(ranks)) for pid, ranks in sorted(out.items())}
+
+    @property
+    def compile_seconds(self) -> dict[int, float]:
+        """Seconds each local stage's programs took to compile (their first calls; {} for fx programs)."""
+        return self.executor.compile_log.per_stage()
 
     @property
     def program(self) -> Program:

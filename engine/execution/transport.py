@@ -37,6 +37,11 @@ class Transport(Protocol):
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
 
+# torch 2.13 renamed them (the old names warn); 2.11 has only the old
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class DistTransport:
     """torch.distributed: P2P over one-way channels, sums through cached subgroups.
 
@@ -114,6 +119,25 @@ class DistTransport:
         except RuntimeError as exc:
             raise self._failure(where, exc, peers) from exc
         self.wait(_DistWork(work, where, peers), "summing")
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, group: tuple[int, ...]) -> None:
+        """`out` = this rank's 1/len(group) slice of `t` summed over `group` (ZeRO-1's grad reduction)."""
+        self._collective(_REDUCE_SCATTER, out, t, group, "reduce-scatter")
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, group: tuple[int, ...]) -> None:
+        """`out` = every member's `t`, concatenated in group order (ZeRO-1's param gather)."""
+        self._collective(_ALL_GATHER, out, t, group, "all-gather")
+
+    def _collective(self, op: Any, out: torch.Tensor, t: torch.Tensor, group: tuple[int, ...], name: str) -> None:
+        if group not in self.groups:
+            raise KeyError(f"group {group} was not created at start-up")
+        where = f"{name} over ranks {list(group)}"
+        peers = tuple(r for r in group if r != self.rank)
+        try:
+            work = op(out, t, group=self.groups[group], async_op=True)
+        except RuntimeError as exc:
+            raise self._failure(where, exc, peers) from exc
+        self.wait(_DistWork(work, where, peers), name)
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (same shape and dtype on all), as tensors on the CPU: data, never pickled objects."""

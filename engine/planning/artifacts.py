@@ -1,7 +1,7 @@
 """What planning computes and hands on: graphs per microbatch size, stage programs per cut, the Planned result.
 
 Tracing and stage autodiff are the expensive passes of planning. A `Workshop` does each once: one
-trace per microbatch size, one `ir.stage_autodiff` per (microbatch size, equation range, recompute),
+trace per microbatch size, one `ir.stage_autodiff` per (microbatch size, equation range, recompute level),
 whatever cut sets the splitter, the exact costing or the assembly ask for. `Planned` is the chosen
 Plan together with its graph, its stages' F/B/W programs and its lowered, validated table: execution
 assembles programs from it without tracing or differentiating again.
@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 import ir
 import schedules
+from ir.autodiff import recompute_level
 
 from ..errors import PlanError
 from .plan import Plan
@@ -92,26 +93,36 @@ class Workshop:
             self._graphs[size] = ir.check_loss(graph, has_aux=self.has_aux, name=getattr(self.fn, "__name__", "loss_fn"))
         return self._graphs[size]
 
-    def autodiff(self, size: int, stage: ir.Stage, recompute: bool = False) -> ir.StageAD:
-        """Stage autodiff of `stage` (a slice of `graph(size)`), made once per range and interface, and
-        shared by stages whose graphs print alike (the middle stages of a model of identical layers): a
-        stage's programs depend on its graph's structure alone, not on which leaves feed it."""
-        key = (size, _signature(stage), bool(recompute))
+    def autodiff(self, size: int, stage: ir.Stage, recompute: bool | str = False) -> ir.StageAD:
+        """Stage autodiff of `stage` (a slice of `graph(size)`) at a recompute level (False, "cheap",
+        True), made once per range and interface, and shared by stages whose graphs print alike (the
+        middle stages of a model of identical layers): a stage's programs depend on its graph's structure
+        alone, not on which leaves feed it."""
+        level = recompute_level(recompute)
+        key = (size, _signature(stage), level)
         if key not in self._ads:
             alike = (str(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
-                     stage.is_last, bool(recompute))
+                     stage.is_last, level)
             if alike not in self._alike:
-                self._alike[alike] = autodiff(stage, bool(recompute), device=self.device)
+                self._alike[alike] = autodiff(stage, level, device=self.device)
             self._ads[key] = self._alike[alike]
         return self._ads[key]
 
-    def stages(self, size: int, cuts: Sequence[int], recompute: Sequence[bool] = ()) -> tuple[StageInfo, ...]:
-        """Every stage of `graph(size)` cut before the equations `cuts`, with its programs."""
-        return tuple(StageInfo(st, self.autodiff(size, st, st.index < len(recompute) and recompute[st.index]))
+    def stages(self, size: int, cuts: Sequence[int], recompute: Sequence[bool | str] = (),
+               remat: Sequence[bool] = ()) -> tuple[StageInfo, ...]:
+        """Every stage of `graph(size)` cut before the equations `cuts`, with its programs (stage k at
+        recompute level `recompute[k]`, or "cheap" where `remat[k]`: a Plan's two flags)."""
+        return tuple(StageInfo(st, self.autodiff(size, st, level_at(recompute, st.index, remat)))
                      for st in ir.split(self.graph(size), cuts))
 
 
-def autodiff(stage: ir.Stage, recompute: bool = False, *, device: str | None = None) -> ir.StageAD:
+def level_at(recompute: Sequence[bool | str], k: int, remat: Sequence[bool] = ()) -> bool | str:
+    """Stage k's recompute level from per-stage levels (or a Plan's flags: `recompute` full, `remat` cheap)."""
+    level = recompute_level(recompute[k]) if k < len(recompute) else False
+    return "cheap" if level is False and k < len(remat) and remat[k] else level
+
+
+def autodiff(stage: ir.Stage, recompute: bool | str = False, *, device: str | None = None) -> ir.StageAD:
     """`ir.stage_autodiff` of a stage, its params differentiated, its batch leaves and (last stage) the loss
     function's aux outputs constant (`device`: where the programs will run; None, the graph's own)."""
     n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
@@ -120,10 +131,10 @@ def autodiff(stage: ir.Stage, recompute: bool = False, *, device: str | None = N
                              device=device, recompute=recompute)
 
 
-def stage_programs(graph: ir.Graph, cuts: Sequence[int], recompute: Sequence[bool] = (), *,
-                   device: str | None = None) -> tuple[StageInfo, ...]:
+def stage_programs(graph: ir.Graph, cuts: Sequence[int], recompute: Sequence[bool | str] = (), *,
+                   device: str | None = None, remat: Sequence[bool] = ()) -> tuple[StageInfo, ...]:
     """Every stage of a graph one traced by hand, with its programs, nothing kept (tests, tools)."""
-    return tuple(StageInfo(st, autodiff(st, st.index < len(recompute) and recompute[st.index], device=device))
+    return tuple(StageInfo(st, autodiff(st, level_at(recompute, st.index, remat), device=device))
                  for st in ir.split(graph, cuts))
 
 
@@ -187,7 +198,7 @@ def planned_from(plan: Plan, workshop: Workshop, *, table: schedules.Table | Non
     if plan.num_eqns and plan.num_eqns != len(graph.eqns):
         raise PlanError(f"the plan was made for a graph of {plan.num_eqns} equations, this model traces to "
                         f"{len(graph.eqns)} at microbatch size {size}; plan again for this model")
-    stages = workshop.stages(size, plan.cuts, plan.recompute)
+    stages = workshop.stages(size, plan.cuts, plan.recompute, plan.remat)
     return Planned(plan, graph, stages, table if table is not None else lowered_table(plan))
 
 

@@ -5,6 +5,12 @@ of its shapes (integers are zeros, so indices are valid); the median of a few ru
 N identical blocks measures one block's ops, not N. Then the model's whole forward and backward
 programs run once more, timed, and the table keeps how much longer they took than their ops' sum
 (`scale`): what ops timed alone miss, the gaps between launches and operands no longer in cache.
+
+Compiled programs (inductor) fuse ops, so their ops' sum says little about them: the same whole programs
+are compiled and timed too (at the "cheap" recompute level, as the planner plans stages for a fusing
+compiler), and `compiled[name]` keeps their seconds over the ops' sum (below 1 where fusion pays). `for_compiler(name)` is the table the planner costs that compiler's programs with: every
+op's time scaled by it, so stages are balanced as they run. (One factor for the whole model: a stage
+whose ops fuse better or worse than the model's average is mispredicted by that difference.)
 """
 from __future__ import annotations
 
@@ -57,14 +63,27 @@ class Calibration:
     device: str
     times: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
     scale: float = 1.0
+    compiled: Mapping[str, float] = attrs.field(factory=dict, converter=dict)  # compiler -> its programs' scale
 
     def to_json(self) -> str:
-        return json.dumps({"device": self.device, "times": dict(sorted(self.times.items())), "scale": self.scale})
+        return json.dumps({"device": self.device, "times": dict(sorted(self.times.items())), "scale": self.scale,
+                           "compiled": dict(sorted(self.compiled.items()))})
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
         d = json.loads(text)
-        return cls(d["device"], {k: float(v) for k, v in d["times"].items()}, float(d.get("scale", 1.0)))
+        return cls(d["device"], {k: float(v) for k, v in d["times"].items()}, float(d.get("scale", 1.0)),
+                   {k: float(v) for k, v in d.get("compiled", {}).items()})
+
+    def for_compiler(self, name: str) -> Calibration:
+        """The table as programs compiled by `name` run: its measured scale in place of fx's ("fx", or a
+        compiler not measured yet: the table as it is, logged)."""
+        if name == "fx":
+            return self
+        if name not in self.compiled:
+            log.warning("no %s programs were timed in this calibration: costing them as fx programs", name)
+            return self
+        return attrs.evolve(self, scale=self.compiled[name])
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -147,14 +166,16 @@ def time_accumulate(aval: ir.AbstractValue, device: torch.device, *, repeats: in
 
 def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repeats: int = 5,
                        calibration: Calibration | None = None, inputs: Sequence[torch.Tensor] | None = None,
-                       compile_program: ProgramCompiler = ir.compile_graph) -> Calibration:
+                       compile_program: ProgramCompiler = ir.compile_graph,
+                       compiled: Mapping[str, ProgramCompiler] | None = None) -> Calibration:
     """Calibrate every op a training step of model graph `g` runs: its own equations (what the splitter
     estimates from), the forward, B and W graphs that stage autodiff makes of it, and each weight grad's
     accumulation. Given the step's real `inputs` (params then one microbatch, as `g.inputs`), also the
     scale of whole programs over their ops (`program_scale`), measured again whenever ops were timed (a
     new microbatch size: the latest measurement holds for the table); otherwise the table's scale stands.
     `compile_program(graph, accumulate)` is how the runtime makes a program runnable (the execution
-    side's compiler, handed in: planning does not import execution)."""
+    side's compiler, handed in: planning does not import execution); `compiled` names other compilers
+    whose programs' scale is measured too (`Calibration.compiled`; again only when ops were timed)."""
     dev = torch.device(device)
     ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
                            constant_outputs=range(1, len(g.outputs)))  # a loss function's aux: not differentiated
@@ -167,11 +188,21 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
         if key not in times and v.aval.dtype.is_floating_point:
             times[key] = time_accumulate(v.aval, dev, repeats=repeats)
     cal = attrs.evolve(cal, times=times)
-    measured = calibration is not None and cal.times == calibration.times and calibration.scale != 1.0
-    if inputs is None or measured:
-        return cal  # nothing real to run, or nothing new since the scale was measured: it stands
-    return attrs.evolve(cal, scale=program_scale(ad, g, dev, cal, inputs, repeats=repeats,
-                                                   compile_program=compile_program))
+    fresh = calibration is None or cal.times != calibration.times
+    if inputs is None:
+        return cal  # nothing real to run: the scales stand
+    if fresh or calibration.scale == 1.0:
+        cal = attrs.evolve(cal, scale=program_scale(ad, g, dev, cal, inputs, repeats=repeats,
+                                                    compile_program=compile_program))
+    scales = {} if fresh else dict(cal.compiled)
+    if any(name not in scales for name in compiled or {}):  # a fusing compiler's stages run the cheap level
+        fused = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
+                                  constant_outputs=range(1, len(g.outputs)), recompute="cheap")
+    for name, compiler in (compiled or {}).items():
+        if name not in scales:
+            scales[name] = program_scale(fused, g, dev, cal, inputs, repeats=repeats, compile_program=compiler)
+            log.info("calibration: %s programs run %.3f x their ops' calibrated sum", name, scales[name])
+    return attrs.evolve(cal, compiled=scales)
 
 
 def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibration,

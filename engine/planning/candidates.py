@@ -21,6 +21,7 @@ from .artifacts import Workshop, build_table
 from .blocks import Blocks, coarsen
 from . import replicas
 from .layout import Layout
+from .dp_memory import with_allreduce
 from .memory import MemoryModel, peak_live, rank_peaks, stage_peaks
 from .op_costs import CostModel
 from .split import BlockCosts, Partition
@@ -45,6 +46,8 @@ class Candidate:
     rank_memory: tuple[float, ...]
     recompute: tuple[bool, ...] = ()
     stage_memory: tuple[float, ...] = ()  # each stage's own peak (what the plan table shows)
+    remat: tuple[bool, ...] = ()          # per stage: cheap recomputation (norms, pointwise chains)
+    zero: bool = False  # ZeRO-1: optimizer state (and master weights) split over the dp replicas
 
 
 class Candidates:
@@ -52,18 +55,28 @@ class Candidates:
 
     def __init__(self, workshop: Workshop, *, schedule: str, build: Callable[..., schedules.Table],
                  model: CostModel, memory: MemoryModel, limit: float, min_blocks: int,
-                 recompute: bool | str = False) -> None:
+                 recompute: bool | str = False, fused_recompute: bool = False) -> None:
         self.workshop, self.batch = workshop, workshop.batch
         self.recompute = recompute
+        self.fused_recompute = fused_recompute  # the compiler fuses cheap recomputation: see recompute.settle
         self.schedule, self.build, self.model, self.memory, self.limit = schedule, build, model, memory, limit
         self.min_blocks = min_blocks
+        self._zero: dict[Layout, bool] = {}  # "auto": the layouts that fit only with ZeRO-1
         self._blocks: dict[tuple[int, bool, bool, bool], Blocks] = {}
         self._exact: dict[int, dict[tuple[int, int, bool], StageCost]] = {}
+
+    def memory_for(self, layout: Layout) -> MemoryModel:
+        """The memory model of this layout: its dp, and ZeRO-1 where the recipe asks (or "auto" chose it)."""
+        recipe = self.memory.recipe
+        zero = recipe is not None and (recipe.shard_optimizer is True or self._zero.get(layout, False))
+        if self.memory.dp == layout.dp and self.memory.zero == zero:
+            return self.memory
+        return attrs.evolve(self.memory, dp=layout.dp, zero=zero)
 
     def graph(self, size: int) -> ir.Graph:
         return self.workshop.graph(size)
 
-    def differentiate(self, size: int) -> Callable[[ir.Stage, bool], ir.StageAD]:
+    def differentiate(self, size: int) -> Callable[[ir.Stage, bool | str], ir.StageAD]:
         return lambda stage, recompute: self.workshop.autodiff(size, stage, recompute)
 
     def blocks(self, size: int, fine: bool, *, exact: bool = False, split_bw: bool = False) -> Blocks:
@@ -78,7 +91,7 @@ class Candidates:
                 self._blocks[key] = coarsen(self.graph(size), self.model, fine=fine, min_blocks=self.min_blocks)
         return self._blocks[key]
 
-    def exact(self, size: int, cuts: Sequence[int], recompute: Sequence[bool] = ()) -> tuple[StageCost, ...]:
+    def exact(self, size: int, cuts: Sequence[int], recompute: Sequence[bool | str] = ()) -> tuple[StageCost, ...]:
         cache = self._exact.setdefault(size, {})
         return exact(self.graph(size), cuts, self.model, cache=cache, recompute=recompute,
                      differentiate=self.differentiate(size))
@@ -100,13 +113,17 @@ class Candidates:
         """Simulate `stages` under the layout's schedule; add the dp gradient all-reduce."""
         if layout.replicated:
             return replicas.evaluate(self, layout, stages, table, fine=fine, bounds=bounds)
-        sim = schedules.simulate(table, schedule_costs(stages, table, self.model, self.memory))
+        memory = self.memory_for(layout)
+        sim = schedules.simulate(table, schedule_costs(stages, table, self.model, memory))
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
-        mems = [s.memory(self.memory, split_bw=splits_bw(table)) for s in stages]
+        mems = [s.memory(memory, split_bw=splits_bw(table)) for s in stages]
+        peaks = with_allreduce(rank_peaks(table, mems, memory, sim), table, mems,
+                               [s.param_bytes for s in stages], memory, layout.dp)  # dp: the flat grad sum
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
-                         allreduce, rank_peaks(table, mems, self.memory, sim), tuple(s.recompute for s in stages),
-                         stage_peaks(table, mems, self.memory, sim))
+                         allreduce, peaks, tuple(s.recompute for s in stages),
+                         stage_peaks(table, mems, memory, sim), tuple(s.remat for s in stages),
+                         memory.zero and layout.dp > 1)
 
     def split(self, layout: Layout, table: schedules.Table, blocks: Blocks, time_scale: Sequence[float] | None = None,
               saved_scale: Sequence[float] | None = None, budgets: Sequence[float] | None = None
@@ -119,7 +136,7 @@ class Candidates:
         budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
         labels = [_block_label(blocks, k) for k in range(blocks.num_blocks)]
         return split_recompute(rc, layout.num_stages, mode=self.recompute, live=peak_live(table), budgets=budgets,
-                               memory=self.memory, names=labels)
+                               memory=self.memory_for(layout), names=labels)
 
     def recompute_costs(self, blocks: Blocks, time_scale: Sequence[float] | None = None,
                         saved_scale: Sequence[float] | None = None) -> RecomputeCosts:
@@ -129,10 +146,11 @@ class Candidates:
         return RecomputeCosts(costs, tuple(blocks.forward[k] * time_scale[k] for k in range(blocks.num_blocks)))
 
     def block_peaks(self, table: schedules.Table, blocks: Blocks, bounds: Sequence[int], recompute: Sequence[bool],
-                    time_scale: Sequence[float], saved_scale: Sequence[float]) -> list[float]:
+                    time_scale: Sequence[float], saved_scale: Sequence[float], layout: Layout | None = None) -> list[float]:
         """Each stage's peak as the splitter sees it (block sums), to compare with the exact one."""
         rc, live = self.recompute_costs(blocks, time_scale, saved_scale), peak_live(table)
-        return [rc.peak(i, j, live[k], self.memory) if recompute[k] else rc.costs.stage_peak(i, j, live[k], self.memory)
+        mem = self.memory if layout is None else self.memory_for(layout)
+        return [rc.peak(i, j, live[k], mem) if recompute[k] else rc.costs.stage_peak(i, j, live[k], mem)
                 for k, (i, j) in enumerate(zip(bounds, bounds[1:]))]
 
     @property
@@ -141,7 +159,18 @@ class Candidates:
 
     def estimated(self, layout: Layout) -> Candidate:
         """The layout split and simulated on block estimates (SplitError when nothing fits). Cuts stay
-        between modules unless cutting inside them makes the slowest stage INNER_CUT_GAIN faster."""
+        between modules unless cutting inside them makes the slowest stage INNER_CUT_GAIN faster. With the
+        recipe's shard_optimizer="auto", a layout that does not fit is tried again with ZeRO-1."""
+        try:
+            return self._estimated(layout)
+        except SplitError:
+            recipe = self.memory.recipe
+            if recipe is None or recipe.shard_optimizer != "auto" or layout.dp == 1 or self._zero.get(layout):
+                raise
+            self._zero[layout] = True
+            return self._estimated(layout)
+
+    def _estimated(self, layout: Layout) -> Candidate:
         table = self.table(layout)
         size = layout.microbatch_size(self.batch_size)
         try:

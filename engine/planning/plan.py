@@ -76,7 +76,18 @@ class Plan:
     recompute: tuple[bool, ...] = attrs.field(
         default=attrs.Factory(lambda self: (False,) * self.num_stages, takes_self=True),
         converter=lambda flags: tuple(bool(f) for f in flags))
-
+    # per stage: B and W redo norms, copies and pointwise chains instead of F saving them (cheap
+    # recomputation: less memory, extra memory-bound kernels); the planner turns it on only where memory needs it
+    remat: tuple[bool, ...] = attrs.field(
+        default=attrs.Factory(lambda self: (False,) * self.num_stages, takes_self=True),
+        converter=lambda flags: tuple(bool(f) for f in flags))
+    # ZeRO-1: each dp replica steps its 1/dp share of the optimizer state (engine.optim.ShardedOptimizer)
+    shard_optimizer: bool = False
+    # per memory term (params, grads, master, optimizer, comm buffers, activations, margin): bytes per position
+    memory_terms: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(
+        default=(), converter=lambda terms: tuple((str(k), tuple(int(b) for b in v)) for k, v in terms))
+    recipe: str = ""  # the training recipe the memory was planned for (engine.planning.recipe), or ""
+    # per pipeline position: how many ranks run it inside a dp replica (see the class docstring)
     replicas: tuple[int, ...] = attrs.field(
         default=attrs.Factory(lambda self: (1,) * self.pipeline_depth, takes_self=True),
         converter=lambda counts: tuple(int(c) for c in counts))
@@ -91,9 +102,13 @@ class Plan:
             raise PlanError(f"{self.microbatches} microbatches do not split evenly over replicas {self.replicas}: "
                             "every replica of a stage runs the same share; use a microbatch count every replica "
                             "count divides")
-        if len(self.recompute) != self.num_stages:
-            raise PlanError(f"recompute has {len(self.recompute)} flags for {self.num_stages} stages; give one "
-                            "bool per stage (or leave it out: no recomputation)")
+        for name, flags in (("recompute", self.recompute), ("remat", self.remat)):
+            if len(flags) != self.num_stages:
+                raise PlanError(f"{name} has {len(flags)} flags for {self.num_stages} stages; give one "
+                                "bool per stage (or leave it out: no recomputation)")
+        if self.shard_optimizer and any(c > 1 for c in self.replicas):
+            raise PlanError(f"ZeRO-1 (shard_optimizer) with replicas per stage {self.replicas} is not supported yet: "
+                            "pass shard_optimizer=False, or equal replicas (dp)")
 
     @property
     def world_size(self) -> int:
@@ -156,8 +171,13 @@ def format_plan(plan: Plan) -> str:
         f"bubble {plan.bubble_fraction:.1%}",
         f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; planned peak per rank {ranks}",
     ]
+    if plan.shard_optimizer:
+        lines.append(f"ZeRO-1: optimizer state split over the dp {plan.dp} replicas of each stage")
+    lines += _terms(plan)
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
+    if any(plan.remat):
+        lines.append(f"cheap recomputation (norms, pointwise) on stages {[k for k, r in enumerate(plan.remat) if r]}")
     return "\n".join(lines)
 
 
@@ -190,6 +210,19 @@ def _held(plan: Plan, position: int, v: int) -> str:
 
 def _span(ranks: range) -> str:
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _terms(plan: Plan) -> list[str]:
+    """Memory per rank, term by term (one column per pipeline position; dp replicas hold the same)."""
+    if not plan.memory_terms:
+        return []
+    ranks = len(plan.memory_terms[0][1])
+    shown = list(range(ranks)) if ranks <= 8 else [*range(4), *range(ranks - 4, ranks)]
+    head = f"memory per rank{' (' + plan.recipe + ')' if plan.recipe else ''}:"
+    cols = " ".join(f"{'rank ' + str(r):>9}" for r in shown)
+    rows = [f"  {name:<13}" + " ".join(f"{nbytes(v[r]):>9}" for r in shown) for name, v in plan.memory_terms]
+    total = [sum(v[r] for _, v in plan.memory_terms) for r in shown]
+    return [head, f"  {'':<13}{cols}", *rows, f"  {'total':<13}" + " ".join(f"{nbytes(t):>9}" for t in total)]
 
 
 def fingerprint(items: Any) -> str:

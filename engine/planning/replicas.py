@@ -37,12 +37,15 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
+import attrs
+
 import schedules
 
 from ..errors import PlanError, SplitError
 from ..units import nbytes
 from .layout import AUTO, Layout, divisors, microbatch_counts
 from .split import Partition, partition
+from .memory import MemoryModel
 from .stage_costs import StageCost, schedule_costs, splits_bw
 
 if TYPE_CHECKING:
@@ -117,7 +120,8 @@ def split(planner: Candidates, layout: Layout, table: schedules.Table, blocks: B
           budgets: Sequence[float] | None = None) -> tuple[Partition, tuple[bool, ...]]:
     """`Candidates.split` for a replicated layout: the slowest of time / replicas is minimised, each stage
     fits with the microbatches in flight on one of its replicas (the same recompute rule)."""
-    rc, memory, mode = planner.recompute_costs(blocks, time_scale, saved_scale), planner.memory, planner.recompute
+    rc, memory, mode = planner.recompute_costs(blocks, time_scale, saved_scale), _memory(planner, layout), \
+        planner.recompute
     costs, n = rc.costs, layout.num_stages
     if n > costs.num_blocks:
         raise SplitError(f"the model has {costs.num_blocks} blocks (cut points are between layers), fewer than {n} "
@@ -151,20 +155,33 @@ def evaluate(planner: Candidates, layout: Layout, stages: tuple[StageCost, ...],
     all-reduced over its replicas in every dp replica (the slowest position's sum counts)."""
     from .candidates import Candidate
 
-    counts = layout.counts
+    counts, memory = layout.counts, _memory(planner, layout)
     run = schedules.simulate_replicated(table, schedules.Replicas(counts),
-                                        schedule_costs(stages, table, planner.model, planner.memory),
+                                        schedule_costs(stages, table, planner.model, memory),
                                         rows=rows(planner, layout))
     sums = [planner.model.allreduce_time(sum(stages[s].param_bytes for s in table.stages_of(q)), counts[q] * layout.dp)
             for q in range(table.num_ranks)]
     allreduce = max(sums)
-    margin = 1 + planner.memory.margin
+    margin = 1 + memory.margin
     ranks = schedules.Replicas(counts)
     rank_memory = tuple(max(run.peak_memory[r] for r in ranks.ranks(q)) * margin for q in range(table.num_ranks))
-    mems = [s.memory(planner.memory, split_bw=splits_bw(table)) for s in stages]
-    stage_memory = tuple(planner.memory.peak(m, run.stage_peak_live[k]) for k, m in enumerate(mems))
+    mems = [s.memory(memory, split_bw=splits_bw(table)) for s in stages]
+    stage_memory = tuple(memory.peak(m, run.stage_peak_live[k]) for k, m in enumerate(mems))
     return Candidate(layout, fine, bounds, stages, run.makespan + allreduce, run.makespan, run.bubble_fraction,
-                     allreduce, rank_memory, tuple(s.recompute for s in stages), stage_memory)
+                     allreduce, rank_memory, tuple(s.recompute for s in stages), stage_memory,
+                     tuple(s.remat for s in stages), False)
+
+
+def _memory(planner: Candidates, layout: Layout) -> MemoryModel:
+    """The layout's memory model without ZeRO-1: the sharded optimizer splits a stage's state over its dp group
+    (engine/training/zero.py), which does not know replicas per stage yet; a recipe that insists on ZeRO-1
+    makes every unequal layout infeasible."""
+    recipe = planner.memory.recipe
+    if recipe is not None and recipe.shard_optimizer is True:
+        raise SplitError(f"replicas {layout.counts}: ZeRO-1 (shard_optimizer=True) with replicas per stage is not "
+                         "supported yet; pass shard_optimizer=False or 'auto', or equal replicas")
+    memory = planner.memory_for(layout)
+    return attrs.evolve(memory, zero=False) if memory.zero else memory
 
 
 def auto_layouts(planner: Candidates, world_size: int, *, v: int, stages: Any, dp: Any,

@@ -8,7 +8,9 @@ what autodiff reports, and the split is redone until it is stable and every rank
 Activation recomputation is chosen per stage inside the split (`stagecost.split_recompute`): with
 recompute="auto" a stage recomputes only when it does not fit its budget without, paying its forward
 twice; when that happened, the best split without any recomputation is made exact too and the faster
-of the two wins.
+of the two wins. Once a split is exact, `recompute.settle` tries the cheaper level first (norms and
+pointwise chains redone, `plan.remat`) where a rank is over the limit or a stage recomputes its whole
+forward; with memory to spare no stage recomputes anything.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .layout import Layout, layouts
 from ..units import nbytes
-from .memory import MemoryModel
+from .memory import MemoryModel, rank_terms, with_recipe
 from .op_costs import CostModel, graph_hash
 from . import replicas as replicas_mod
 from .plan import Plan, StagePlan
+from .recipe import Recipe, recipe_of
+from .recompute import settle
 from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
 
 log = logging.getLogger("engine.plan")
@@ -110,14 +114,15 @@ def _refine(planner: Candidates, first: Candidate) -> Candidate:
     part, flags = planner.split(layout, table, blocks)
     bounds, seen, best, last = part.bounds, set(), None, None
     for _ in range(REFINE_ROUNDS):
-        stages = planner.exact(size, [blocks.bounds[b] for b in bounds[1:-1]], flags)
-        last = planner.evaluate(layout, stages, table, fine=first.fine, bounds=bounds)
+        last = settle(planner, layout, table, size, [blocks.bounds[b] for b in bounds[1:-1]], flags,
+                      fine=first.fine, bounds=bounds)
+        stages = last.stages
         if max(last.rank_memory) <= planner.limit and (best is None or last.step_time < best.step_time):
             best = last
         seen.add((bounds, flags))
         _calibrate(stages, estimate(graph, blocks, bounds, recompute=flags), bounds, time_scale, saved_scale,
                    split_bw)
-        seen_peaks = planner.block_peaks(table, blocks, bounds, flags, time_scale, saved_scale)
+        seen_peaks = planner.block_peaks(table, blocks, bounds, flags, time_scale, saved_scale, layout)
         for rank, peak in enumerate(last.rank_memory):
             for s in table.stages_of(rank) if peak > planner.limit else ():  # so that this split no longer fits
                 budgets[s] = min(budgets[s], seen_peaks[s]) * planner.limit / peak
@@ -189,10 +194,10 @@ def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequenc
 def _fixed_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
                      cuts: Sequence[int]) -> Candidate:
     """Fixed cuts costed exactly; with recompute "auto", the stages of each rank over the limit
-    recompute (until every rank fits or all its stages do)."""
+    recompute (until every rank fits or all its stages do), the cheap level first (`recompute.settle`)."""
     flags = [planner.recompute is True] * layout.num_stages
     while True:
-        cand = planner.evaluate(layout, planner.exact(size, cuts, flags), table)
+        cand = settle(planner, layout, table, size, cuts, flags)
         over = [s for r, peak in enumerate(cand.rank_memory) if peak > planner.limit for s in table.stages_of(r)
                 if not flags[s]]
         if planner.recompute != "auto" or not over:
@@ -219,8 +224,14 @@ def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
         predicted_step_time=cand.step_time, bubble_fraction=cand.bubble, graph_hash=graph_hash(graph),
         device=planner.model.device.name, memory_limit=int(planner.limit), link=planner.model.link.name,
         microbatch_size=size, num_eqns=len(graph.eqns), allreduce_time=cand.allreduce,
-        rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute, replicas=layout.counts,
-        replica_order=layout.replica_order)
+        rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute,
+        remat=cand.remat or (False,) * layout.num_stages, shard_optimizer=cand.zero,
+        memory_terms=rank_terms(table, cand.stages, planner.memory_for(layout), cand.rank_memory),
+        recipe=_recipe_text(planner.memory.recipe), replicas=layout.counts, replica_order=layout.replica_order)
+
+
+def _recipe_text(recipe: Recipe | None) -> str:
+    return "" if recipe is None else ", ".join(f"{k} {v}" for k, v in recipe.to_dict().items() if v is not None)
 
 
 def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedule: str = "1f1b",
@@ -230,10 +241,13 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
            build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
+           fused_recompute: bool = False, recipe: Recipe | None = None,
            replicas: Sequence[int] | str | None = None) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
-    each done once) and `build` (the schedule's builder) may be handed in by a caller that has them."""
+    each done once) and `build` (the schedule's builder) may be handed in by a caller that has them.
+    `fused_recompute`: the programs will be compiled by a compiler that fuses pointwise work (inductor), so
+    the cheap recomputation costs no extra kernels and every stage takes it (`recompute.settle`)."""
     require_function(fn, "engine.plan")
     profile = get_device(device)
     model = CostModel(profile, get_link(link, profile), calibration)
@@ -251,9 +265,11 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
                              dp=dp, microbatches=microbatches)
     # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
     workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
-    planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory_model or MemoryModel(),
+    memory = with_recipe(memory_model, recipe_of(recipe), params)
+    planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory,
                          limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
-                         min_blocks=max(c.num_stages for c in candidates), recompute=recompute)
+                         min_blocks=max(c.num_stages for c in candidates), recompute=recompute,
+                         fused_recompute=fused_recompute)
     if cuts is not None:
         return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
     ranked, reasons = _rank_layouts(planner, candidates)
@@ -306,7 +322,9 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
     anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
-    `stages_per_rank`, `link`, `memory_model`, `calibration`, `replicas` (ranks per pipeline stage, like (2, 1); or
+    `stages_per_rank`, `link`, `memory_model`, `calibration`, `recipe` (engine.Recipe: the optimizer,
+    master-weight and grad dtypes and ZeRO-1 the memory is planned for; `plan.shard_optimizer` says
+    whether ZeRO-1 was chosen, and print(plan) shows each term of the memory per rank), `replicas` (ranks per pipeline stage, like (2, 1); or
     "auto", the default when stages or dp is "auto": unequal counts where predicted faster; see
     engine.planning.replicas). Raises PlanError for counts that do not fit
     the world or batch, SplitError when nothing fits memory. `search` takes the same and also returns
@@ -318,9 +336,10 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
 def _chosen(planner: Candidates, cand: Candidate, equal_step_time: float = 0.0) -> Planned:
     p = attrs.evolve(_to_plan(planner, cand, planner.schedule), equal_step_time=equal_step_time)
     log.info("plan:\n%s", p)
-    if any(p.recompute):
-        split_log.info("activation recomputation on stages %s (memory limit %s)",
-                       [k for k, r in enumerate(p.recompute) if r], nbytes(p.memory_limit or 0))
+    for name, flags in (("activation recomputation", p.recompute), ("cheap recomputation", p.remat)):
+        if any(flags):
+            split_log.info("%s on stages %s (memory limit %s)", name, [k for k, r in enumerate(flags) if r],
+                           nbytes(p.memory_limit or 0))
     size = p.microbatch_size
-    return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute),
+    return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute, p.remat),
                    lowered_table(p, planner.build))

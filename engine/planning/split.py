@@ -124,5 +124,5 @@ def infeasible_message(costs: BlockCosts, num_stages: int, *, live: Sequence[int
     return (f"no split into {num_stages} stages fits: stage {stage} needs at least {nbytes(need)} with "
             f"{live[stage]} microbatch{'es' if live[stage] != 1 else ''} in flight, its limit is {nbytes(budgets[stage])}; the largest single "
             f"block{label} needs {nbytes(costs.stage_peak(block, block + 1, max(live), memory))} alone "
-            f"({nbytes(costs.param_bytes[block] * (2 + memory.optimizer_factor))} of weights, grads and optimizer "
+            f"({nbytes(costs.param_bytes[block] * memory.param_factor)} of weights, grads and optimizer "
             f"state, {nbytes(costs.saved[block])} of activations per microbatch); {FIX}")

@@ -20,7 +20,7 @@ import attrs
 import ir
 import schedules
 
-from .artifacts import autodiff
+from .artifacts import autodiff, level_at
 from .blocks import Blocks
 from .op_costs import CostModel
 from ..errors import PlanError, SplitError
@@ -51,6 +51,7 @@ class StageCost:
     after_b_bytes: int | None = None  # per microbatch from B to W when split (exact; None: saved + b_to_w)
     exact: bool = False
     recompute: bool = False        # activation recomputation: B redoes F, F keeps only the outputs
+    remat: bool = False            # cheap recomputation: B/W redo norms and pointwise chains (exact only)
 
     @property
     def time(self) -> float:
@@ -110,7 +111,7 @@ def _backward_transient(part: ir.Part, grad_slots: set[int]) -> int:
     return ir.run_bytes(part.graph, params).transient
 
 
-Differentiate = Callable[[ir.Stage, bool], ir.StageAD]  # (stage, recompute) -> its F/B/W programs
+Differentiate = Callable[[ir.Stage, "bool | str"], ir.StageAD]  # (stage, recompute level) -> its F/B/W programs
 
 
 def autodiff_on(device: str | None) -> Differentiate:
@@ -119,10 +120,12 @@ def autodiff_on(device: str | None) -> Differentiate:
 
 
 def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentiate: Differentiate,
-                 recompute: bool = False) -> StageCost:
-    """Costs of a stage from its F/B/W graphs. With `recompute`, B's graph holds the redone forward, so
-    its time includes it, and what B computes for W (the recomputed activations W reads) lives while B
-    and W run: B's temporaries plus that hand-over are the stage's workspace."""
+                 recompute: bool | str = False) -> StageCost:
+    """Costs of a stage from its F/B/W graphs at a recompute level (False, "cheap", True: see
+    `ir.stage_autodiff`). With True, B's graph holds the redone forward, so its time includes it, and what
+    B computes for W (the recomputed activations W reads) lives while B and W run: B's temporaries plus
+    that hand-over are the stage's workspace. With "cheap", B and W's graphs hold the redone norms and
+    pointwise ops, so their times include them."""
     g = stage.graph
     n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
     ad = differentiate(stage, recompute)
@@ -133,7 +136,7 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentia
     b_to_w = set(w.in_slots) & (set(b.out_slots) - grads)
     order = list(graph.defined())
     nbytes, numel = _param_stats(graph, stage.param_ids)
-    handed = _slot_bytes(ad, b_to_w) if recompute else 0
+    handed = _slot_bytes(ad, b_to_w) if recompute is True else 0
     acts_in = set(range(n_params + n_batch, n_in))
     param_grads = {s for s in ad.grad_slots[:n_params] if s is not None}
     cts = {s for s in ad.ct_slots if s is not None}
@@ -150,20 +153,20 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentia
                             _backward_transient(w, param_grads) + handed),
         fused_workspace_bytes=max(transient_bytes(f.graph), _backward_transient(ad.backward, param_grads)),
         after_b_bytes=_slot_bytes(ad, after_b),
-        exact=True, recompute=recompute)
+        exact=True, recompute=recompute is True, remat=recompute == "cheap")
 
 
 def exact(graph: ir.Graph, cuts: Sequence[int], model: CostModel, *, device: str | None = None,
-          cache: dict[tuple[int, int, bool], StageCost] | None = None, recompute: Sequence[bool] = (),
+          cache: dict[tuple[int, int, bool | str], StageCost] | None = None, recompute: Sequence[bool | str] = (),
           differentiate: Differentiate | None = None) -> tuple[StageCost, ...]:
-    """Exact costs of the stages `ir.split(graph, cuts)`, traced through stage autodiff (stage k with
-    activation recomputation when `recompute[k]`; `differentiate` makes the programs, by default afresh
-    on `device`)."""
+    """Exact costs of the stages `ir.split(graph, cuts)`, traced through stage autodiff (stage k at
+    recompute level `recompute[k]`: False, "cheap" or True; `differentiate` makes the programs, by default
+    afresh on `device`)."""
     cache = {} if cache is None else cache
     differentiate = differentiate or autodiff_on(device)
     out = []
     for stage in ir.split(graph, cuts):
-        redo = stage.index < len(recompute) and bool(recompute[stage.index])
+        redo = level_at(recompute, stage.index)
         key = (stage.start, stage.stop, redo)
         if key not in cache:
             cache[key] = _exact_stage(graph, stage, model, differentiate, redo)
@@ -320,5 +323,5 @@ def _recompute_infeasible(rc: RecomputeCosts, num_stages: int, live: Sequence[in
             f"least {nbytes(peak(stage, b[stage], b[stage + 1]))} with {live[stage]} microbatch"
             f"{'es' if live[stage] != 1 else ''} in flight, its limit is {nbytes(budgets[stage])}; the largest single "
             f"block{label} needs {nbytes(rc.peak(block, block + 1, max(live), memory))} alone when it recomputes "
-            f"({nbytes(rc.costs.param_bytes[block] * (2 + memory.optimizer_factor))} of weights, grads and optimizer "
+            f"({nbytes(rc.costs.param_bytes[block] * memory.param_factor)} of weights, grads and optimizer "
             f"state); {FIX_NO_RECOMPUTE}")

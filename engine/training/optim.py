@@ -51,8 +51,10 @@ from ir.trace import key_name
 
 from ..errors import EngineError
 from . import optim_kernels
+from .zero import ShardedOptimizer
 
-__all__ = ["accumulate", "adamw", "clip_grad_norm", "local_leaves", "owned_leaves", "scale", "set_grads", "sgd"]
+__all__ = ["ShardedOptimizer", "accumulate", "adamw", "clip_grad_norm", "local_leaves", "owned_leaves", "scale",
+           "set_grads", "sgd"]
 
 _is_none = lambda x: x is None  # noqa: E731 -- None is a leaf of our trees, not an empty node
 
@@ -181,6 +183,10 @@ def clip_grad_norm(grads: Any, max_norm: float, *, step: Any = None, eps: float 
             raise EngineError("clip_grad_norm on several ranks needs step=<the Step> to count each leaf once "
                               "(leaves are split over stages and copied over dp replicas)")
         mine = [g for g in leaves if g is not None]
+    elif getattr(step.plan, "shard_optimizer", False) and step.plan.dp > 1:
+        raise EngineError("this step was planned with shard_optimizer=True: its grads are each replica's part, "
+                          "summed over dp only by the sharded optimizer; clip there: "
+                          "engine.optim.ShardedOptimizer(step, engine.optim.adamw, max_norm=1.0, lr=...)")
     else:
         mine = [leaves[pid] for pid in owned_leaves(step) if leaves[pid] is not None]
     present = [g for g in leaves if g is not None]

@@ -17,7 +17,7 @@ from engine.planning.memory import MemoryModel, stage_peaks
 from engine.planning.plan import Plan, StagePlan
 from engine.planning.search import plan
 from engine.planning.stage_costs import exact, schedule_costs
-from engine.planning.artifacts import stage_programs
+from engine.planning.artifacts import level_at, stage_programs
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
@@ -26,20 +26,27 @@ MEDIUM = GPTConfig(vocab_size=256, seq_len=512, d_model=512, n_layers=8, head_di
 PLAN_KW = dict(world_size=4, microbatches=8, device="h100")
 
 
-def _hand_plan(graph: ir.Graph, schedule: str, recompute: tuple[bool, ...], m: int = 4) -> Plan:
+def _hand_plan(graph: ir.Graph, schedule: str, recompute: tuple[bool | str, ...], m: int = 4) -> Plan:
     n = len(recompute)
     cuts = tuple(len(graph.eqns) * k // n for k in range(1, n))
-    return Plan(schedule, n, n, 1, m, cuts, stages=tuple(StagePlan(k, 0, 0, k) for k in range(n)), recompute=recompute)
+    return Plan(schedule, n, n, 1, m, cuts, stages=tuple(StagePlan(k, 0, 0, k) for k in range(n)),
+                recompute=[r is True for r in recompute], remat=[r == "cheap" for r in recompute])
 
 
-@pytest.mark.parametrize("schedule,recompute", [("1f1b", (True, True, True)), ("zb-h1", (True, False, True))])
-def test_recompute_grads_equal_torch_func_grad(schedule: str, recompute: tuple[bool, ...]) -> None:
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", (True, True, True)), ("zb-h1", (True, False, True)),
+                                                ("1f1b", (False, "cheap", False)), ("zb-h1", ("cheap", True, False))])
+def test_recompute_grads_equal_torch_func_grad(schedule: str, recompute: tuple[bool | str, ...]) -> None:
+    """Every level (False: save all; "cheap": redo norms and pointwise chains; True: redo the forward),
+    mixed per stage, gives torch.func.grad's loss and grads."""
     params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
     fn = make_loss_fn(TINY)
     graph = ir.trace(fn, params, *[b[:2] for b in batch])
     p = _hand_plan(graph, schedule, recompute)
     steps = build_steps(fn, params, batch, p)
-    assert [i.ad.saved_bytes() == 0 for i in steps[0].infos] == list(recompute)
+    assert [i.ad.saved_bytes() == 0 for i in steps[0].infos] == [r is True for r in recompute]
+    plain = stage_programs(graph, p.cuts, device="cpu")
+    for info, base, level in zip(steps[0].infos, plain, recompute):  # the cheap level keeps less than none
+        assert (info.ad.saved_bytes() < base.ad.saved_bytes()) == (level is not False)
     result = run_steps(steps, params, batch)
     loss, ref = torch.func.grad_and_value(fn)(params, *batch)[::-1]
     assert torch.allclose(result.loss, loss, rtol=1e-12, atol=0)
@@ -104,7 +111,7 @@ def _exact_stages(p: Plan, recompute: tuple[bool, ...]) -> tuple[CostModel, tupl
 
 def _simulated_peaks(p: Plan) -> tuple[float, ...]:
     """The schedule simulator's memory peaks of `p` from its stages' exact costs (margin left out)."""
-    model, stages = _exact_stages(p, p.recompute)
+    model, stages = _exact_stages(p, tuple(level_at(p.recompute, k, p.remat) for k in range(p.num_stages)))
     return schedules.simulate(p.table(), schedule_costs(stages, p.table(), model, MemoryModel())).peak_memory
 
 
@@ -156,4 +163,55 @@ def test_fixed_cuts_recompute_the_ranks_over_the_limit() -> None:
     limit = int(0.7 * roomy.rank_memory[0])
     p = plan(fn, params, *batch, cuts=roomy.cuts, memory_limit=limit, **PLAN_KW)
     assert p.cuts == roomy.cuts and p.recompute[0] and max(p.rank_memory) <= limit
-    assert [r for r, m in enumerate(roomy.rank_memory) if m <= limit] == [k for k, r in enumerate(p.recompute) if not r]
+    fit = [r for r, m in enumerate(roomy.rank_memory) if m <= limit]
+    assert fit == [k for k in range(4) if not p.recompute[k] and not p.remat[k]]  # the others save less
+
+
+def test_with_memory_to_spare_no_stage_recomputes_anything() -> None:
+    """The roomy plan saves what its backward reads: its stage programs redo no forward op but views, so
+    a step runs eager autograd's kernels and no more."""
+    roomy = _roomy()
+    assert roomy.remat == (False,) * 4 and "recomputation" not in str(roomy)
+    fn, params, (tokens, targets) = _medium()
+    size = roomy.microbatch_size
+    graph = ir.trace(fn, params, tokens[:size], targets[:size], device="cpu")
+    for info in stage_programs(graph, roomy.cuts, device="cpu"):
+        forward = set(info.ad.forward.graph.eqns)
+        redone = [e.op for e in info.ad.backward.graph.eqns if e in forward]
+        assert all(op.split(".")[1] in ("view", "transpose", "t", "permute", "expand", "unsqueeze", "slice",
+                                        "select", "alias", "squeeze", "_unsafe_view", "split", "unbind")
+                   for op in redone), redone
+
+
+def test_cheap_recomputation_first_where_it_is_enough() -> None:
+    """A limit between rank 0's peak with the cheap level and without any: the planner turns the cheap
+    level on there (not full recomputation, which would pay the whole forward again), costs it exactly,
+    and says so in print(plan)."""
+    fn, params, batch = _medium()
+    roomy = _roomy()
+    _, plain = _exact_stages(roomy, (False,) * 4)
+    _, cheap = _exact_stages(roomy, ("cheap",) + (False,) * 3)
+    mem = MemoryModel()
+    peaks = [stage_peaks(roomy.table(), [s.memory(mem, split_bw=False) for s in st], mem)[0] for st in (plain, cheap)]
+    assert cheap[0].saved_bytes < plain[0].saved_bytes and peaks[1] < peaks[0]
+    assert cheap[0].backward_input + cheap[0].backward_weight > plain[0].backward_input + plain[0].backward_weight
+    limit = int(max((peaks[0] + peaks[1]) / 2, *roomy.rank_memory[1:]))  # the other ranks fit as they are
+    assert peaks[1] < limit < roomy.rank_memory[0]
+    p = plan(fn, params, *batch, cuts=roomy.cuts, memory_limit=limit, **PLAN_KW)
+    assert p.remat[0] and not any(p.recompute) and not any(p.remat[1:]), (p.recompute, p.remat)
+    assert max(p.rank_memory) <= limit
+    assert p.stages[0].time > roomy.stages[0].time
+    assert "cheap recomputation (norms, pointwise) on stages [0]" in str(p)
+
+
+def test_a_fusing_compiler_takes_the_cheap_level_everywhere() -> None:
+    """With fused_recompute (inductor folds norms and pointwise chains into the backward's kernels) every
+    stage keeps less at no extra kernel: the cheap level on all stages, none recomputing its forward, each
+    rank's peak below the plain plan's."""
+    fn, params, batch = _medium()
+    roomy = _roomy()
+    fused = plan(fn, params, *batch, fused_recompute=True, **PLAN_KW)
+    assert fused.remat == (True,) * 4 and not any(fused.recompute)
+    assert all(a < b for a, b in zip(fused.rank_memory, roomy.rank_memory)), (fused.rank_memory, roomy.rank_memory)
+    assert "cheap recomputation (norms, pointwise) on stages [0, 1, 2, 3]" in str(fused)
+    assert plan(fn, params, *batch, fused_recompute=True, recompute=False, **PLAN_KW).remat == (False,) * 4

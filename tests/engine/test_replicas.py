@@ -6,6 +6,7 @@ from collections import Counter
 
 import attrs
 from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -217,9 +218,11 @@ def test_the_harness_draws_and_checks_unequal_replicas(spec) -> None:
         assert result.plan.replicas == spec.replicas and sum(spec.replicas) * spec.dp in (3, 4)
 
 
-def test_replica_counts_are_unequal_compositions() -> None:
-    drawn = {replica_counts(4).example() for _ in range(60)}
-    assert all(c is None or (sum(c) == 4 and len(set(c)) > 1 and min(c) >= 1) for c in drawn)
+@given(ranks=st.integers(1, 8), data=st.data())
+def test_replica_counts_are_unequal_compositions(ranks: int, data) -> None:
+    counts = data.draw(replica_counts(ranks))
+    assert counts is None or (sum(counts) == ranks and len(set(counts)) > 1 and min(counts) >= 1
+                              and 2 <= len(counts) < ranks)
 
 
 def test_apportion_gives_each_spare_rank_to_the_slowest_per_replica() -> None:

@@ -161,13 +161,15 @@ def test_inductor_compiled_stage_programs_give_the_same_loss_and_grads(schedule:
     for got, want in zip(got_leaves, want_leaves):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
     assert all(type(f).__name__ != "GraphModule" for f in step.executor.parts.values())  # compiled, not fx
+    # compiled inside parallelize (its warm-up), each local stage's compile timed
+    assert set(step.compile_seconds) == set(step.local_stages) and min(step.compile_seconds.values()) > 0
 
 
 def test_an_unknown_compiler_is_refused_naming_the_choices() -> None:
     import engine
     from engine.errors import PlanError
 
-    with pytest.raises(PlanError, match="compiler must be one of 'fx', 'inductor', got 'xla'"):
+    with pytest.raises(PlanError, match="compiler must be one of 'fx', 'inductor', 'auto', got 'xla'"):
         engine.parallelize(lambda p, x: (p * x).sum(), torch.ones(2), torch.ones(4, 2), compiler="xla")
 
 

@@ -1,6 +1,7 @@
 """ir.stage_autodiff: F, B and W split the joint program without recomputation, over consistent slots."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,28 +17,31 @@ def _views_only(eqns):
     return all(is_view(resolve(e.op)) for e in eqns)
 
 
-def _stage_ads(case, cuts):
+def _stage_ads(case, cuts, level=False):
     stages = ir.split(trace_case(case), cuts)
-    return [(s, ir.stage_autodiff(s.graph, constant=range(len(s.param_ids), len(s.param_ids) + len(s.batch_ids))))
-            for s in stages]
+    return [(s, ir.stage_autodiff(s.graph, constant=range(len(s.param_ids), len(s.param_ids) + len(s.batch_ids)),
+                                  recompute=level)) for s in stages]
 
 
 @settings(max_examples=examples(35))
 @given(models(max_layers=8), st.data())
 def test_parts_share_no_work_and_read_only_slots_written_before_them(case, data):
     n = len(trace_case(case).eqns)
-    for stage, ad in _stage_ads(case, data.draw(cut_sets(n), label="cuts")):
-        _check_no_recomputation(ad)
+    level = data.draw(st.sampled_from([False, "cheap"]), label="recompute")
+    for stage, ad in _stage_ads(case, data.draw(cut_sets(n), label="cuts"), level):
+        _check_no_recomputation(ad, views_only=level is False)
         _check_slots(stage, ad)
 
 
-def _check_no_recomputation(ad):
+def _check_no_recomputation(ad, views_only=False):
     """No eqn runs in both B and W; B and W redo only cheap F work (views, pointwise, layer norm)
-    whose operands are saved anyway, instead of saving its result."""
+    whose operands are saved anyway, instead of saving its result; with `views_only` (recompute=False)
+    only views."""
     f, b, w = (set(part.graph.eqns) for part in (ad.forward, ad.backward_input, ad.backward_weight))
     assert _views_only(b & w), [e.op for e in b & w]
     redone = (f & b) | (f & w)
     assert all(recomputable(e) for e in redone), [e.op for e in redone if not recomputable(e)]
+    assert not views_only or _views_only(redone), [e.op for e in redone]
     assert set(ad.backward.graph.eqns) == b | w  # BW fused: the same work, once
 
 
@@ -104,9 +108,43 @@ def test_a_pointwise_result_is_recomputed_from_saved_operands_not_saved():
 
     p = {"w1": torch.randn(16, 32), "w2": torch.randn(32, 4)}
     g = ir.trace(mlp, p, torch.randn(8, 16))
-    ad = ir.stage_autodiff(g, constant=[2])
+    ad = ir.stage_autodiff(g, constant=[2], recompute="cheap")
     assert ad.saved_bytes() == 8 * 32 * 4
     assert "aten.gelu.default" in [e.op for e in ad.backward_weight.graph.eqns]
+
+
+def test_without_recomputation_the_backward_runs_no_forward_kernel():
+    """recompute=False (the default): F saves the gelu's result too (two [8, 32] float32 tensors), and
+    neither B nor W redoes any forward equation but views (eager autograd's kernels exactly); the grads
+    equal those of the "cheap" level."""
+    def mlp(p, x):
+        return (torch.nn.functional.gelu(x @ p["w1"]) @ p["w2"]).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    p = {"w1": torch.randn(16, 32, generator=gen, dtype=torch.float64),
+         "w2": torch.randn(32, 4, generator=gen, dtype=torch.float64)}
+    x = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    g = ir.trace(mlp, p, x)
+    plain, cheap = ir.stage_autodiff(g, constant=[2]), ir.stage_autodiff(g, constant=[2], recompute="cheap")
+    assert plain.saved_bytes() == 2 * 8 * 32 * 8 > cheap.saved_bytes() == 8 * 32 * 8
+    forward = set(plain.forward.graph.eqns)
+    assert _views_only([e for e in plain.backward.graph.eqns if e in forward])
+    assert any(e.op == "aten.gelu.default" for e in cheap.backward.graph.eqns)
+    for ad in (plain, cheap):
+        slots = dict(enumerate([p["w1"], p["w2"], x]))
+        slots[ad.ct_slots[0]] = torch.ones((), dtype=torch.float64)
+        run = ir.compile_graph(ad.forward.graph)(*[slots[i] for i in ad.forward.in_slots])
+        slots.update(zip(ad.forward.out_slots, run))
+        slots.update(zip(ad.backward.out_slots, ir.compile_graph(ad.backward.graph)(*[slots[i] for i in ad.backward.in_slots])))
+        ref = torch.func.grad(mlp)(p, x)
+        torch.testing.assert_close(slots[ad.grad_slots[0]], ref["w1"], rtol=1e-12, atol=0)
+        torch.testing.assert_close(slots[ad.grad_slots[1]], ref["w2"], rtol=1e-12, atol=0)
+
+
+def test_an_unknown_recompute_level_is_refused():
+    g = ir.trace(lambda p, x: (p * x).sum(), torch.ones(3), torch.ones(3))
+    with pytest.raises(ir.IRError, match="recompute must be False .*'cheap'.*or True .*got 'some'"):
+        ir.stage_autodiff(g, recompute="some")
 
 
 def test_a_chain_of_cheap_ops_is_recomputed_from_a_saved_operand():
@@ -118,7 +156,7 @@ def test_a_chain_of_cheap_ops_is_recomputed_from_a_saved_operand():
 
     p = {"w1": torch.randn(32, 16), "w2": torch.randn(4, 32)}
     x = torch.randn(2, 8, 16, requires_grad=True)
-    ad = ir.stage_autodiff(ir.trace(mlp, p, x))
+    ad = ir.stage_autodiff(ir.trace(mlp, p, x), recompute="cheap")
     assert ad.saved_bytes() == 2 * 8 * 32 * 4
     assert "aten.gelu.default" in [e.op for e in ad.backward_weight.graph.eqns]
 
@@ -179,7 +217,7 @@ def test_recomputed_work_runs_where_it_is_first_needed():
     d, f, n = 16, 256, 6
     p = [(torch.randn(f, d), torch.randn(d, f)) for _ in range(n)]
     x = torch.randn(64, d, requires_grad=True)
-    ad = ir.stage_autodiff(ir.trace(mlp, p, x))
+    ad = ir.stage_autodiff(ir.trace(mlp, p, x), recompute="cheap")
     forward = set(ad.forward.graph.eqns)
     for part in (ad.backward, ad.backward_weight):
         eqns = part.graph.eqns
