@@ -95,7 +95,9 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     `has_aux=True` a pair `(loss, aux)`: the step then returns `((loss, aux), grads)`, each aux leaf averaged
     over the microbatches like the loss and given to every rank (README, "The contract"). Each call checks
     this rank's params and batch against the plan (engine.InputError); `check_inputs` ("first", "every",
-    "never") is when the ranks also compare fingerprints of their batch and params.
+    "never") is when the ranks also compare fingerprints of their batch and params. `schedule` is a
+    registered name (`schedules.names()`) or "auto": every built-in planned with the model's costs, the
+    fastest predicted kept (`step.plan.considered` lists them).
     `plan_cache` (a directory, or a .json deployment file) reuses a plan made for the same model,
     world, schedule and options instead of planning again (engine.planning.cache). `calibrate=True` times
     every op of the model once on rank 0's device before splitting, so the split balances measured

@@ -18,7 +18,6 @@ node 0 is the fix: `check_master` says so in the log before the ranks wait.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import struct
@@ -30,7 +29,12 @@ _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
 
 
 def interfaces() -> dict[str, str]:
-    """Interface name -> IPv4 address, for every interface that is up and has one (Linux ioctls)."""
+    """Interface name -> IPv4 address, for every interface that is up and has one (Linux ioctls; {}
+    where they do not exist, and the host name's address is all `candidates` offers)."""
+    try:
+        import fcntl
+    except ImportError:
+        return {}
     out = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():

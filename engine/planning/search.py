@@ -24,8 +24,9 @@ import schedules
 from ..errors import PlanError, SplitError, require_function
 from ..progress import track
 from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
+from .auto import AUTO, search_auto
 from .calibration import Calibration
-from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size_of, schedule_options
+from .candidates import MULTI_STAGE_SCHEDULES, V_SHAPED, Candidate, Candidates, batch_size_of
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .layout import Layout, layouts
 from ..units import nbytes
@@ -44,9 +45,9 @@ REFINE_ROUNDS = 4
 
 
 def _stages_per_rank(schedule: str, stages_per_rank: int | None, stages: Any, dp: Any, world_size: int) -> int:
-    if schedule == "zbv":
+    if schedule in V_SHAPED:
         if stages_per_rank not in (None, 2):
-            raise PlanError(f"zbv places exactly 2 stages per rank (a V); got stages_per_rank={stages_per_rank}")
+            raise PlanError(f"{schedule} places exactly 2 stages per rank (a V); got stages_per_rank={stages_per_rank}")
         return 2
     if stages_per_rank is not None:
         if stages_per_rank > 1 and schedule not in MULTI_STAGE_SCHEDULES:
@@ -59,8 +60,11 @@ def _stages_per_rank(schedule: str, stages_per_rank: int | None, stages: Any, dp
     return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
 
 
-def schedule_builder(schedule: str) -> Callable[..., schedules.Table]:
-    """The registered builder of `schedule`, looked up once; PlanError with the registry's closest name."""
+def schedule_builder(schedule: str) -> Callable[..., schedules.Table] | None:
+    """The registered builder of `schedule`, looked up once; PlanError with the registry's closest name.
+    None for "auto" (each candidate's own builder)."""
+    if schedule == AUTO:
+        return None
     try:
         return schedules.get(schedule)
     except (KeyError, ValueError) as err:
@@ -180,6 +184,8 @@ def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequenc
         try:
             table = planner.table(layout)
             cand = _fixed_recompute(planner, layout, table, size, cuts)
+            if max(cand.rank_memory) > planner.limit and planner.shard_instead(layout):  # ZeRO-1 "auto"
+                cand = _fixed_recompute(planner, layout, table, size, cuts)
         except (schedules.ScheduleError, ir.IRError) as err:
             raise PlanError(f"cuts {list(cuts)} with {_describe(layout)}: {err}") from err
         if max(cand.rank_memory) > planner.limit:
@@ -220,7 +226,7 @@ def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
     return Plan(
         schedule=schedule, num_stages=layout.num_stages, pipeline_depth=layout.pipeline_depth, dp=layout.dp,
         microbatches=layout.microbatches, cuts=tuple(s.start for s in cand.stages[1:]), stages=stages,
-        schedule_options=tuple(sorted(schedule_options(schedule, layout).items())),
+        schedule_options=cand.options or planner.options(layout),
         predicted_step_time=cand.step_time, bubble_fraction=cand.bubble, graph_hash=graph_hash(graph),
         device=planner.model.device.name, memory_limit=int(planner.limit), link=planner.model.link.name,
         microbatch_size=size, num_eqns=len(graph.eqns), allreduce_time=cand.allreduce,
@@ -249,9 +255,18 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     `fused_recompute`: the programs will be compiled by a compiler that fuses pointwise work (inductor), so
     the cheap recomputation costs no extra kernels and every stage takes it (`recompute.settle`)."""
     require_function(fn, "engine.plan")
+    if schedule == AUTO:
+        return search_auto(search, fn, params, *example_batch, world_size=world_size, stages=stages, dp=dp,
+                           microbatches=microbatches, memory_limit=memory_limit, device=device,
+                           stages_per_rank=stages_per_rank, cuts=cuts, link=link, memory_model=memory_model,
+                           calibration=calibration, recompute=recompute, has_aux=has_aux,
+                           fused_recompute=fused_recompute, recipe=recipe,
+                           workshop=workshop or Workshop(fn, params, example_batch, device=get_device(device).kind,
+                                                         has_aux=has_aux))
     profile = get_device(device)
     model = CostModel(profile, get_link(link, profile), calibration)
     build = build or schedule_builder(schedule)
+    assert build is not None
     recompute = recompute_mode(recompute)
     if memory_limit is not None and not memory_limit > 0:
         raise PlanError(f"memory_limit is bytes per rank and must be > 0, got {memory_limit!r}; None means the "
@@ -321,7 +336,8 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
     (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
-    anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
+    anything else with ir.TraceError). `schedule="auto"` plans every built-in schedule and keeps the fastest
+    (engine/planning/auto.py). Other options: `world_size` (1), `schedule` ("1f1b"),
     `stages_per_rank`, `link`, `memory_model`, `calibration`, `recipe` (engine.Recipe: the optimizer,
     master-weight and grad dtypes and ZeRO-1 the memory is planned for; `plan.shard_optimizer` says
     whether ZeRO-1 was chosen, and print(plan) shows each term of the memory per rank), `replicas` (ranks per pipeline stage, like (2, 1); or

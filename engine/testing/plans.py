@@ -207,8 +207,9 @@ def plans(draw: Any, world_sizes: Sequence[int] | None = None, schedules: Sequen
           replicas: bool = False) -> PlanSpec:
     """Valid `PlanSpec`s: a schedule from `schedules` (default: every registered one, looked up per draw),
     a world size from `world_sizes` (default `default_world_sizes()`), dp from `dps` dividing it, and
-    stages per rank / microbatches the schedule accepts on the remaining pipeline depth: zbv takes 2 stages
-    per rank, interleaved-1f1b 1..max_stages_per_rank with microbatches a multiple of the depth, the others
+    stages per rank / microbatches the schedule accepts on the remaining pipeline depth: zbv and dualpipev (m >= 2p)
+    take 2 stages per rank, interleaved-1f1b (microbatches a multiple of the depth), looped-bfs and interleaved-zb
+    1..max_stages_per_rank, the others
     (and schedules you registered) one; a combination is kept when the schedule function builds a table
     with that many ranks. `batch_size`: keep microbatches x dp dividing it. `num_eqns`: the model's
     equation count (at most that many stages; cuts drawn as equation indices). `cuts`: "drawn" (explicit

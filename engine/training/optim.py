@@ -31,6 +31,9 @@ Gradient accumulation over k steps keeps the mean contract only if divided by k:
         acc = engine.optim.accumulate(acc, grads)
     params, state = engine.optim.sgd(params, engine.optim.scale(acc, 1 / k), state, lr=0.1)
 
+ZeRO-1 (a step planned with `shard_optimizer=True`): `ShardedOptimizer(step, adamw, lr=..., max_norm=...)`
+sums the grads over each stage's dp replicas, clips, and steps 1/dp of every leaf (engine/training/zero.py).
+
 torch.optim works too, on the local leaves (they are plain detached tensors):
 
     local = engine.optim.local_leaves(params)      # this rank's tensors, in tree order

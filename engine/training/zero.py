@@ -24,7 +24,8 @@ Megatron's buffer ranges): the state stays a tree with the params' names, every 
 share whatever the leaf sizes, and checkpoints stay per leaf. Why the communication is reduce-scatter +
 all-gather: together they move the bytes of the all-reduce they replace (a ring all-reduce is exactly
 these two), so ZeRO-1 costs no bandwidth. A leaf tied over two positions is reduced and stepped by
-both positions' groups alike (same inputs, same sums in the same order).
+both positions' groups alike: it is reduce-scattered alone (same buffer layout in every group, so
+the same sums in the same order) and stepped from the same values, so its copies stay bit-identical.
 
 Checkpoints: `full_state(state)` gathers the slices back into whole leaves (the tree `engine.optim`
 would have made without sharding: `engine.checkpoint.save` writes it as always), and
@@ -48,6 +49,7 @@ from ..errors import EngineError
 __all__ = ["ShardedOptimizer"]
 
 _is_none = lambda x: x is None  # noqa: E731
+BUCKET_BYTES = 256 * 2**20  # grads summed per collective: bounds the transient copy, keeps collectives few
 
 NOT_SHARDED = ("engine.optim.ShardedOptimizer needs a step planned with ZeRO-1: "
                "engine.parallelize(..., shard_optimizer=True) (its plan says plan.shard_optimizer)")
@@ -70,6 +72,7 @@ class ShardedOptimizer:
         self.shapes = {pid: tuple(a.shape) for pid, a in zip(self.local, avals)}
         self.chunk = {pid: math.ceil(max(a.numel, 1) / self.dp) for pid, a in zip(self.local, avals)}
         self.owned = set(_owned_here(step, position))
+        self.tied = set(_tied(step))
         self.norm: torch.Tensor | None = None
 
     def __call__(self, params: Any, grads: Any, state: Any = None) -> tuple[Any, Any]:
@@ -146,10 +149,22 @@ class ShardedOptimizer:
         return leaves, spec
 
     def _by_dtype(self, leaves: list[Any]) -> list[list[int]]:
-        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        """Buckets of local leaves for one collective each: one dtype and device, at most BUCKET_BYTES (the
+        concatenated grads are a transient copy), and a leaf tied over stages alone, so that every position
+        holding it sums it in a buffer of the same layout and gets the same bits."""
+        groups: dict[tuple[torch.dtype, torch.device], list[list[int]]] = {}
+        out = []
         for pid in self.local:
-            groups.setdefault((leaves[pid].dtype, leaves[pid].device), []).append(pid)
-        return list(groups.values())
+            x = leaves[pid]
+            if pid in self.tied:
+                out.append([pid])
+                continue
+            buckets = groups.setdefault((x.dtype, x.device), [[]])
+            size = sum(self.chunk[q] for q in buckets[-1]) * self.dp * x.element_size()
+            if buckets[-1] and size + x.numel() * x.element_size() > BUCKET_BYTES:
+                buckets.append([])
+            buckets[-1].append(pid)
+        return out + [b for buckets in groups.values() for b in buckets if b]
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1)
@@ -202,6 +217,15 @@ class ShardedOptimizer:
 def _is_param_tree(value: Any, num_params: int) -> bool:
     leaves = pytree.tree_flatten(value, is_leaf=_is_none)[0]
     return len(leaves) == num_params and any(isinstance(x, torch.Tensor) for x in leaves)
+
+
+def _tied(step: Any) -> list[int]:
+    """Leaves that several pipeline positions hold (a weight tied over stages on different ranks)."""
+    where: dict[int, set[int]] = {}
+    for info in step.infos:
+        for pid in info.stage.param_ids:
+            where.setdefault(pid, set()).add(step.table.rank_of(info.stage.index))
+    return [pid for pid, positions in where.items() if len(positions) > 1]
 
 
 def _owned_here(step: Any, position: int) -> list[int]:

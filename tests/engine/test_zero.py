@@ -100,5 +100,57 @@ def test_zero1_equals_one_process_and_lowers_memory_under_mpirun() -> None:
     assert "FAIL" not in out, out
     ok = re.findall(r"^OK rank (\d) (.*) max rel err", out, flags=re.M)
     assert len(ok) == 4 * 2 * 3, out  # 4 ranks x (sgd, adamw) x (3 steps, resumed on dp 4, on dp 1)
+    assert len(re.findall(r"^OK rank \d \w+ tied copies: 1 distinct", out, flags=re.M)) == 8, out
     falls = re.findall(r"^OK rank \d memory kept after a step falls (\d+) -> (\d+)", out, flags=re.M)
     assert len(falls) == 4 and all(int(b) <= 0.55 * int(a) for a, b in falls), out
+
+
+def test_in_process_ranks_run_zero1_over_the_hub_and_match_one_process() -> None:
+    """dp 2 x 2 stages as threads of this process (the hub has sums only: the optimizer reduce-scatters
+    and all-gathers through them); two clipped adamw steps equal one process's, float64."""
+    import threading
+
+    from engine.execution.inprocess import build_steps
+    from torch.utils import _pytree as pytree
+
+    plan = engine.plan(models.loss_fn, PARAMS, *BATCH, world_size=4, stages=2, dp=2, microbatches=2,
+                       recipe=Recipe(shard_optimizer=True))
+    steps = build_steps(models.loss_fn, PARAMS, BATCH, plan)
+    ref, ref_state = PARAMS, None
+    for _ in range(2):
+        grads = torch.func.grad(models.loss_fn)(ref, *BATCH)
+        clipped, _ = engine.optim.clip_grad_norm(grads, 0.1)
+        ref, ref_state = engine.optim.adamw(ref, clipped, ref_state, lr=0.01)
+    out: list = [None] * 4
+
+    def work(r: int) -> None:
+        step = steps[r]
+        opt = engine.optim.ShardedOptimizer(step, engine.optim.adamw, lr=0.01, max_norm=0.1)
+        params, state = step.shard(PARAMS), None
+        for _ in range(2):
+            _, grads = step(params, *BATCH)
+            params, state = opt(params, grads, state)
+        out[r] = params
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    want = pytree.tree_leaves(ref)
+    for r in range(4):
+        got = pytree.tree_flatten(out[r], is_leaf=lambda x: x is None)[0]
+        errs = [((g - w).norm() / w.norm()).item() for g, w in zip(got, want) if g is not None]
+        assert errs and max(errs) < 1e-12, (r, errs)
+
+
+def test_fixed_cuts_also_get_zero1_where_it_makes_them_fit() -> None:
+    def cut_plan(shard: bool | str, limit: int | None = None) -> engine.Plan:
+        recipe = Recipe(optimizer="adamw", master_dtype=torch.float32, shard_optimizer=shard)
+        return engine.plan(models.loss_fn, PARAMS, *BATCH, world_size=4, dp=2, microbatches=2, recipe=recipe,
+                           cuts=[14], memory_limit=limit)
+    whole, zero = cut_plan(False), cut_plan(True)
+    between = (max(whole.rank_memory) + max(zero.rank_memory)) // 2
+    cut = cut_plan("auto", between)
+    assert cut.shard_optimizer and max(cut.rank_memory) <= between
+    assert not cut_plan("auto").shard_optimizer

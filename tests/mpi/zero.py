@@ -11,6 +11,7 @@ Prints one line per check and rank; exits non-zero on a mismatch.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import tempfile
@@ -86,6 +87,7 @@ def check(rank: int, world: int, name: str, root: str) -> bool:
     params, state, history, opt = train(step, name, step.shard(models.init_params(layers=4)), None, batches(3))
     errs = [error(p, r) for p, r in zip(history, ref)]
     ok &= report(rank, f"{name} {stages} stages x dp {dp} steps 1-3", max(errs))
+    ok &= tied_copies_agree(step, params, rank, name)
     plain = make(stages, dp, shard=False)
     _, grads = plain(plain.shard(models.init_params(layers=4)), *batches(1)[0])
     _, full = OPTIMIZERS[name][0](plain.shard(models.init_params(layers=4)), grads, None, **OPTIMIZERS[name][1])
@@ -160,6 +162,15 @@ def memory(rank: int, world: int) -> bool:
     print(f"{'OK' if ok else 'FAIL'} rank {rank} memory kept after a step falls {held[False]} -> {held[True]} "
           f"({held[True] / held[False]:.2f}x)", flush=True)
     return ok
+
+
+def tied_copies_agree(step: engine.Step, params: dict, rank: int, name: str) -> bool:
+    """The tied embedding lives on the first and last stage: after sharded steps its copies are bit-equal."""
+    emb = params["embed"]
+    digest = None if emb is None else hashlib.sha256(bytes(emb.cpu().contiguous().view(torch.uint8).flatten().tolist())).hexdigest()
+    seen = {d for d in step.transport.all_gather_json(digest) if d is not None}
+    print(f"{'OK' if len(seen) == 1 else 'FAIL'} rank {rank} {name} tied copies: {len(seen)} distinct", flush=True)
+    return len(seen) == 1
 
 
 def report(rank: int, what: str, err: float) -> bool:
