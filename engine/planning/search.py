@@ -260,7 +260,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
                            microbatches=microbatches, memory_limit=memory_limit, device=device,
                            stages_per_rank=stages_per_rank, cuts=cuts, link=link, memory_model=memory_model,
                            calibration=calibration, recompute=recompute, has_aux=has_aux,
-                           fused_recompute=fused_recompute, recipe=recipe,
+                           fused_recompute=fused_recompute, recipe=recipe, replicas=replicas,
                            workshop=workshop or Workshop(fn, params, example_batch, device=get_device(device).kind,
                                                          has_aux=has_aux))
     profile = get_device(device)

@@ -241,3 +241,9 @@ def test_user_cuts_run_with_replicas() -> None:
     ref = torch.func.grad(models.loss_fn)(params, *batch)
     for got, want in zip(pytree.tree_leaves(result.grads), pytree.tree_leaves(ref), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+
+
+def test_schedule_auto_keeps_the_users_replicas() -> None:
+    params, batch = models.init_params(layers=4), models.batch(size=16)
+    p = engine.plan(models.loss_fn, params, *batch, world_size=3, replicas=(2, 1), microbatches=4, schedule="auto")
+    assert p.replicas == (2, 1) and p.world_size == 3 and p.considered
