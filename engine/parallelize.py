@@ -26,6 +26,7 @@ from .planning import cache as plancache
 from .planning.artifacts import Planned, Workshop, lowered_table, planned_from
 from .planning.candidates import batch_size_of
 from .planning.recipe import Recipe, recipe_of
+from .planning.replicas import requested as requested_replicas
 from .planning.search import schedule_builder, search
 from .training.precision import mixed_precision
 
@@ -86,7 +87,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
                 compute_dtype: torch.dtype | None = None, compiler: str = "auto", has_aux: bool = False,
                 check_inputs: str = "first", shard_optimizer: bool | str = False, recipe: Recipe | None = None,
-                min_microbatch_size: int | None = None) -> Step:
+                min_microbatch_size: int | None = None, replicas: Sequence[int] | str | None = None) -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
@@ -112,7 +113,11 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     `compiler` runs each stage program as generated fx Python ("fx": eager's kernels, no compile time),
     compiled by torch.compile's inductor ("inductor": fused kernels, a compile per distinct stage program,
     paid here, kept on disk for the next run), or "auto" (the default): inductor on CUDA, fx elsewhere
-    (engine.execution.compilers; `step.compile_seconds` says what each stage's compile took). `timeout` (positive seconds) bounds every wait; the step holds
+    (engine.execution.compilers; `step.compile_seconds` says what each stage's compile took). `replicas` is how many ranks
+    run each pipeline stage, like (2, 1): stage 0 on two ranks, each running every other microbatch, stage 1 on
+    one (world = sum x dp); "auto" (the default when stages or dp is "auto") lets the planner choose unequal
+    counts where it predicts a faster step (engine.planning.replicas). `timeout` (positive seconds) bounds every
+    wait; the step holds
     process groups until `step.close()` (or the end of `with engine.parallelize(...) as step:`).
     `shard_optimizer` (ZeRO-1: True, False, or "auto": where a layout fits only so) splits the optimizer
     state over each stage's dp replicas: the step's grads are then each replica's part, and
@@ -123,6 +128,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     if compute_dtype is not None:
         loss_fn = _mixed(loss_fn, compute_dtype)
     _check_options(compiler, check_inputs)
+    replicas = requested_replicas(replicas)  # before any communication: every rank refuses a bad count alike
     build = schedule_builder(schedule)
     recipe = training_recipe(recipe, shard_optimizer)
     world = launch.init(timeout)
@@ -134,7 +140,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
                            recompute=recompute, has_aux=has_aux, fused_recompute=compiler == "inductor",
                            min_microbatch_size=min_microbatch_size,
-                           **({"recipe": recipe} if recipe else {})))
+                           **({"recipe": recipe} if recipe else {}), **({} if replicas is None else {"replicas": replicas})))
     use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)

@@ -30,6 +30,7 @@ from schedules.perfetto import save_perfetto, to_perfetto
 from schedules.png import save_png
 from schedules.registry import ScheduleFn, get, names, register
 from schedules.render import render_ascii
+from schedules.replicas import ORDERS, Replicas, RoutedRun, lower_replicated, replica_rows, simulate_replicated
 from schedules.simulate import Simulation, simulate
 from schedules.table import Table
 from schedules.table_io import load_table, save_table
@@ -45,4 +46,5 @@ __all__ = [
     "as_timeline", "build_from_costs", "dualpipev", "get", "gpipe", "interleaved_1f1b",
     "interleaved_zb", "load_table", "looped_bfs", "lower", "names", "one_f_one_b", "overlapped_pairs", "register", "render_ascii", "save_perfetto", "save_png", "save_table",
     "simulate", "to_perfetto", "validate", "zb_h1", "zbv",
+    "ORDERS", "Replicas", "RoutedRun", "lower_replicated", "replica_rows", "simulate_replicated",
 ]

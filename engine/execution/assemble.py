@@ -13,43 +13,29 @@ from typing import Any, Callable, Sequence
 from ..planning.artifacts import Planned
 from ..planning.plan import fingerprint
 from ..version import fnpipe_version
-from .emit import emit, grad_groups
+from . import routing
+from .emit import emit
 from .program import Program
-
-# the lowered table's transfer actions: whose stage's neighbour is the peer, and in which direction
-_PEER = {"SEND_F": (1, "send"), "RECV_F": (-1, "recv"), "SEND_B": (-1, "send"), "RECV_B": (1, "recv")}
 
 
 def assemble(planned: Planned, rank: int) -> Program:
-    """The program of world rank `rank` (replica rank // p, pipeline position rank % p)."""
+    """The program of world rank `rank` (its dp replica, pipeline position and replica: `routing.place`)."""
     if not 0 <= rank < planned.plan.world_size:
         raise ValueError(f"rank {rank} is outside the plan's world of {planned.plan.world_size} ranks")
-    return emit(planned.stages, planned.table, world_rank=rank, dp=planned.plan.dp, num_params=planned.num_params,
-                sharded=planned.plan.shard_optimizer)
+    return emit(planned.stages, planned.table, world_rank=rank, plan=planned.plan, num_params=planned.num_params)
 
 
 def channels(planned: Planned) -> list[tuple[int, int]]:
     """Every ordered (sender, receiver) pair of world ranks that exchange tensors, read off the table."""
-    table, p = planned.table, planned.table.num_ranks
-    pairs = set()
-    for q, row in enumerate(table.rows):
-        for action in row:
-            if action.kind not in _PEER:
-                continue
-            step, op = _PEER[action.kind]
-            peer = table.rank_of(action.stage + step)
-            for replica in range(planned.plan.dp):
-                me, other = replica * p + q, replica * p + peer
-                pairs.add((me, other) if op == "send" else (other, me))
-    return sorted(pairs)
+    return routing.channels(planned.plan, planned.table)
 
 
 def reduce_groups(planned: Planned) -> list[tuple[int, ...]]:
-    """The world ranks that sum a grad leaf together (tied leaves across stages, dp replicas); with ZeRO-1
-    also each pipeline position's dp group, which the sharded optimizer reduce-scatters over."""
+    """The world ranks that sum a grad leaf together (tied leaves across stages, replicas of a stage, dp); with
+    ZeRO-1 also each pipeline position's dp group, which the sharded optimizer reduce-scatters over."""
     plan = planned.plan
-    groups = list(grad_groups(planned.stages, planned.table, planned.num_params, plan.dp, plan.shard_optimizer))
-    if plan.shard_optimizer and plan.dp > 1:
+    groups = list(routing.grad_groups(plan, planned.stages, planned.table, planned.num_params))
+    if plan.shard_optimizer and plan.dp > 1:  # equal replicas only (Plan refuses ZeRO-1 with unequal ones)
         p = plan.pipeline_depth
         groups += [tuple(d * p + q for d in range(plan.dp)) for q in range(p)]
     return groups

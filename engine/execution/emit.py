@@ -1,4 +1,5 @@
-"""The emitter: a lowered schedule table and the stage programs -> the static Program of one world rank."""
+"""The emitter: a lowered schedule table and the stage programs -> the static Program of one world rank
+(which position, microbatches and peers that rank has: `routing`)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,6 +8,8 @@ import ir
 import schedules
 
 from ..planning.artifacts import StageInfo
+from ..planning.plan import Plan
+from . import routing
 from .program import CommOp, Instr, Program
 
 
@@ -101,22 +104,22 @@ class _Emitter:
     def send_f(self, s: int, mb: int) -> None:
         env, info = self.env(s, mb), self.infos[s]
         bufs = tuple(env[info.ad.out_slots[j]] for j in range(len(info.stage.acts_out)))
-        self.comm.append(CommOp("send", "act", s, mb, self.world_of(self.table.rank_of(s + 1)), bufs))
+        self.comm.append(CommOp("send", "act", s, mb, self.world_of(self.table.rank_of(s + 1), mb), bufs))
 
     def recv_f(self, s: int, mb: int) -> None:
         bufs = [self.buf() for _ in self.infos[s].stage.acts_in]
         self.acts[(s, mb)] = bufs
-        self.comm.append(CommOp("recv", "act", s, mb, self.world_of(self.table.rank_of(s - 1)), tuple(bufs)))
+        self.comm.append(CommOp("recv", "act", s, mb, self.world_of(self.table.rank_of(s - 1), mb), tuple(bufs)))
 
     def send_b(self, s: int, mb: int) -> None:
         env, info = self.env(s, mb), self.infos[s]
         bufs = tuple(env[info.ad.grad_slots[info.act_slot(k)]] for k in info.grad_acts())
-        self.comm.append(CommOp("send", "grad", s, mb, self.world_of(self.table.rank_of(s - 1)), bufs))
+        self.comm.append(CommOp("send", "grad", s, mb, self.world_of(self.table.rank_of(s - 1), mb), bufs))
 
     def recv_b(self, s: int, mb: int) -> None:
         bufs = [self.buf() for _ in self.infos[s].ct_outs()]
         self.cts[(s, mb)] = bufs
-        self.comm.append(CommOp("recv", "grad", s, mb, self.world_of(self.table.rank_of(s + 1)), tuple(bufs)))
+        self.comm.append(CommOp("recv", "grad", s, mb, self.world_of(self.table.rank_of(s + 1), mb), tuple(bufs)))
 
 
 ACTIONS = {
@@ -155,35 +158,16 @@ def insert_frees(instrs: Sequence[Instr]) -> tuple[Instr, ...]:
     return tuple(out)
 
 
-def grad_groups(infos: Sequence[StageInfo], table: schedules.Table, num_params: int, dp: int,
-                sharded: bool = False) -> dict[tuple[int, ...], list[int]]:
-    """World ranks that hold a copy of each param leaf's grad -> the leaves they must sum. `sharded`
-    (ZeRO-1): only the copies within each replica (tied stages); the dp sum is the optimizer's
-    reduce-scatter (engine/training/zero.py)."""
-    p = table.num_ranks
-    users: dict[int, set[int]] = {}
-    for info in infos:
-        for pid in info.stage.param_ids:
-            users.setdefault(pid, set()).add(table.rank_of(info.stage.index))
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for pid in range(num_params):
-        for replicas in ([(d,) for d in range(dp)] if sharded else [range(dp)]):
-            ranks = tuple(sorted(d * p + q for q in users.get(pid, {0}) for d in replicas))
-            if len(ranks) > 1:
-                groups.setdefault(ranks, []).append(pid)
-    return dict(sorted(groups.items()))
-
-
-def emit(infos: Sequence[StageInfo], lowered: schedules.Table, *, world_rank: int, dp: int,
-         num_params: int, sharded: bool = False) -> Program:
-    """The program of `world_rank` (replica world_rank // p, pipeline position world_rank % p)."""
-    p = lowered.num_ranks
-    replica, q = divmod(world_rank, p)
-    em = _Emitter(infos, lowered, q, lambda pos: replica * p + pos)
-    for action in lowered.rows[q]:
+def emit(infos: Sequence[StageInfo], lowered: schedules.Table, *, world_rank: int, plan: Plan,
+         num_params: int) -> Program:
+    """The program of `world_rank`: its position's lowered row, kept where it owns the microbatch, with each
+    transfer addressed to the rank that owns the microbatch at the peer position (`routing`)."""
+    at = routing.place(plan, world_rank)
+    em = _Emitter(infos, lowered, at.position, lambda pos, mb: routing.world_rank(plan, at.dp_replica, pos, mb))
+    for action in routing.row(plan, lowered, world_rank):
         ACTIONS[action.kind](em, action.stage, action.microbatch)
     em.flush()
     tail = [Instr("reduce_grads", reads=tuple(f"g{pid}" for pid in pids), group=ranks)
-            for ranks, pids in grad_groups(infos, lowered, num_params, dp, sharded).items() if world_rank in ranks]
+            for ranks, pids in routing.grad_groups(plan, infos, lowered, num_params).items() if world_rank in ranks]
     tail.append(Instr("reduce_loss"))
     return Program(world_rank, insert_frees(em.out) + tuple(tail))

@@ -14,7 +14,7 @@ import ir
 from ..errors import PlanError, RuntimeMismatchError
 from ..planning.artifacts import Planned
 from ..planning.plan import fingerprint
-from . import launch
+from . import launch, routing
 from .assemble import Programs, channels, common_fingerprint, disagreements, interface, reduce_groups
 from .executor import Executor, Hook
 from .footprint import Footprint, footprint
@@ -57,8 +57,9 @@ class Step:
         self.planned, self.world, self.transport = planned, world, transport
         self.plan, self.graph, self.infos, self.table = planned.plan, planned.graph, planned.stages, planned.table
         self.programs = Programs(planned, {world.rank: program} if program is not None else None)
-        self.position = world.rank % self.plan.pipeline_depth
-        self.replica = world.rank // self.plan.pipeline_depth
+        at = routing.place(self.plan, world.rank)
+        self.position, self.replica = at.position, at.dp_replica  # `replica`: which dp replica
+        self.microbatches = routing.microbatches(self.plan, world.rank)  # of its dp replica's, that it runs
         self.local_stages = self.table.stages_of(self.position)
         used = {pid for info in self.infos for pid in info.stage.param_ids}
         # a float leaf the loss never reads has grad zeros (as torch.func.grad says); pipeline position 0 holds it
@@ -77,13 +78,12 @@ class Step:
 
     def holders(self) -> dict[int, tuple[int, ...]]:
         """Each param leaf -> the world ranks that hold it (its stages' ranks, in every replica)."""
-        p, out = self.plan.pipeline_depth, {}
+        out: dict[int, set[int]] = {}
         for info in self.infos:
             for pid in info.stage.param_ids:
-                q = self.table.rank_of(info.stage.index)
-                out.setdefault(pid, set()).update(d * p + q for d in range(self.plan.dp))
+                out.setdefault(pid, set()).update(routing.position_ranks(self.plan, self.table.rank_of(info.stage.index)))
         for pid in self.unused:  # held by pipeline position 0 of every replica
-            out.setdefault(pid, set()).update(d * p for d in range(self.plan.dp))
+            out.setdefault(pid, set()).update(routing.position_ranks(self.plan, 0))
         return {pid: tuple(sorted(ranks)) for pid, ranks in sorted(out.items())}
 
     @property
@@ -145,8 +145,8 @@ class Step:
         from its program (`engine.footprint`): what `torch.cuda.max_memory_allocated` reads for programs
         run as fx code, short of library workspaces (inductor-compiled programs free differently; the
         benchmark saw them within -16 % / +8 % of this). No optimizer state: that is the optimizer's."""
-        return tuple(footprint(p, self.infos, self.graph, microbatches=self.plan.microbatches)
-                     for p in self.programs.all())
+        return tuple(footprint(p, self.infos, self.graph, microbatches=len(routing.microbatches(self.plan, p.rank)))
+                     for p in self.programs.all())  # a rank holds the batch of the microbatches it runs
 
     def shard(self, params: Any) -> Any:
         """This rank's leaves moved to its device; leaves used only by other ranks become None. Every leaf is
@@ -175,8 +175,9 @@ class Step:
         local = {pid: leaves[pid] for pid in self.local_params}
         m, dp = self.plan.microbatches, self.plan.dp
         chunks = split_batch(batch, m * dp)[self.replica * m:(self.replica + 1) * m]
-        offset = self.graph.num_params
-        mbs = [{offset + j: x.to(self.world.device) for j, x in enumerate(c)} for c in chunks]
+        offset, mine = self.graph.num_params, set(self.microbatches)  # only what this rank runs goes to its device
+        mbs = [{offset + j: x.to(self.world.device) for j, x in enumerate(c)} if i in mine else {}
+               for i, c in enumerate(chunks)]
         loss, grads = self.executor.run(local, mbs)
         for pid in self.unused:
             if pid in local and pid not in grads:
@@ -213,7 +214,8 @@ class Step:
         leaves, spec = pytree.tree_flatten(tree, is_leaf=lambda x: x is None)
         if self.world.size == 1:
             return tree
-        owner = {pid: self.table.rank_of(min(s for s in range(len(self.infos)) if pid in self.infos[s].stage.param_ids))
+        owner = {pid: routing.position_ranks(self.plan, self.table.rank_of(
+                     min(s for s in range(len(self.infos)) if pid in self.infos[s].stage.param_ids)))[0]
                  for pid in range(len(leaves)) if any(pid in i.stage.param_ids for i in self.infos)}
         out = list(leaves) if self.world.rank == 0 else None
         for pid, src in sorted(owner.items()):

@@ -2,7 +2,8 @@
 
 Owns: the cost model of ops and links (`op_costs`, `devices`, `calibration`), model blocks and their
 costs (`blocks`), stage costs from stage autodiff (`stage_costs`), the memory model (`memory`), the
-exact splitter (`split`), the candidate layouts (`layout`), the search that picks one (`search`, whose
+exact splitter (`split`), the candidate layouts (`layout`) and unequal replicas per stage (`replicas`),
+the search that picks one (`search`, whose
 `plan` is `engine.plan`), the Plan data itself (`plan`), the stage programs it builds once and hands on
 (`artifacts`), and the plan cache (`cache`).
 

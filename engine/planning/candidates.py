@@ -19,6 +19,7 @@ from ..errors import PlanError, SplitError
 from ..names import abbreviate
 from .artifacts import Workshop, build_table
 from .blocks import Blocks, coarsen
+from . import replicas
 from .layout import Layout
 from .dp_memory import with_allreduce
 from .memory import MemoryModel, peak_live, rank_peaks, stage_peaks
@@ -124,6 +125,8 @@ class Candidates:
                  fine: bool = False, bounds: tuple[int, ...] = ()) -> Candidate:
         """Simulate `stages` under the layout's schedule (the zero-bubble family's order rebuilt for their
         costs); add the dp gradient all-reduce."""
+        if layout.replicated:
+            return replicas.evaluate(self, layout, stages, table, fine=fine, bounds=bounds)
         memory = self.memory_for(layout)
         options = self.options(layout, stages)
         if self.schedule in FROM_COSTS:
@@ -146,6 +149,8 @@ class Candidates:
               ) -> tuple[Partition, tuple[bool, ...]]:
         """The fastest split of this layout's `blocks` whose stages fit their budgets, and which of its
         stages recompute their activations (see `stagecost.split_recompute`)."""
+        if layout.replicated:
+            return replicas.split(self, layout, table, blocks, time_scale, saved_scale, budgets)
         rc = self.recompute_costs(blocks, time_scale, saved_scale)
         budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
         labels = [_block_label(blocks, k) for k in range(blocks.num_blocks)]

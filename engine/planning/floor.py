@@ -8,6 +8,8 @@ the batch per replica so a small batch still plans (one microbatch per replica t
 """
 from __future__ import annotations
 
+import attrs
+
 from typing import Any, Callable, Sequence
 
 import ir
@@ -40,12 +42,13 @@ def above_floor(layouts: Sequence[Layout], batch_size: int, floor: int, why: str
     count given, PlanError naming the counts that would do when no layout is left."""
     keep = [lay for lay in layouts if lay.microbatch_size(batch_size) >= _needed(lay, batch_size, floor)]
     if auto:
-        have = {(lay.pipeline_depth, lay.stages_per_rank, lay.dp) for lay in keep}
-        for p, v, dp in dict.fromkeys((lay.pipeline_depth, lay.stages_per_rank, lay.dp) for lay in layouts):
-            if (p, v, dp) not in have:
-                rows = batch_size // dp
+        shape = lambda lay: (lay.pipeline_depth, lay.stages_per_rank, lay.dp, lay.replicas)  # noqa: E731
+        have = {shape(lay) for lay in keep}
+        for key, lay in {shape(lay): lay for lay in reversed(layouts)}.items():
+            if key not in have:
+                rows = batch_size // lay.dp
                 m = max(d for d in range(1, rows + 1) if rows % d == 0 and rows // d >= min(floor, rows))
-                keep.append(Layout(p, v, dp, m))
+                keep.append(attrs.evolve(lay, microbatches=m))
     if keep or not layouts:
         return keep
     sizes = sorted({(lay.dp, lay.microbatches, lay.microbatch_size(batch_size)) for lay in layouts})

@@ -17,13 +17,26 @@ MAX_MICROBATCHES_PER_STAGE = 8  # "auto" tries m in [p, 8p]: past that the bubbl
 
 @attrs.frozen
 class Layout:
-    """`pipeline_depth` ranks per replica, each holding `stages_per_rank` stages; `dp` replicas;
-    each replica's share of the batch cut into `microbatches`."""
+    """`pipeline_depth` positions per replica, each holding `stages_per_rank` stages; `dp` replicas;
+    each replica's share of the batch cut into `microbatches`. `replicas` (empty: one each) is how many
+    ranks run each position inside a replica (`engine.planning.replicas`)."""
 
     pipeline_depth: int
     stages_per_rank: int
     dp: int
     microbatches: int
+    replicas: tuple[int, ...] = ()
+    replica_order: str = "split"  # how each replica orders its actions (`schedules.replica_rows`)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Ranks per pipeline position inside one dp replica."""
+        return self.replicas or (1,) * self.pipeline_depth
+
+    @property
+    def replicated(self) -> bool:
+        """Some position runs on several ranks inside a dp replica (microbatches are routed between them)."""
+        return any(c > 1 for c in self.counts)
 
     @property
     def num_stages(self) -> int:
@@ -69,7 +82,7 @@ def _depths(world_size: int, v: int, stages: Any, dp: Any) -> list[int]:
     return options
 
 
-def _microbatch_counts(batch_size: int, p: int, dp: int, microbatches: Any) -> list[int]:
+def microbatch_counts(batch_size: int, p: int, dp: int, microbatches: Any) -> list[int]:
     if batch_size % dp:
         return []
     per_replica = batch_size // dp
@@ -86,7 +99,7 @@ def layouts(world_size: int, batch_size: int, *, v: int, stages: Any, dp: Any, m
         raise PlanError(f"world_size must be a positive int, got {world_size!r}")
     depths = _depths(world_size, v, stages, dp)
     out = [Layout(p, v, world_size // p, m) for p in depths
-           for m in _microbatch_counts(batch_size, p, world_size // p, microbatches)]
+           for m in microbatch_counts(batch_size, p, world_size // p, microbatches)]
     if not out:
         valid = "; ".join(f"dp {world_size // p}: {divisors(batch_size // (world_size // p))}"
                           for p in depths if batch_size % (world_size // p) == 0) or "none"

@@ -41,10 +41,15 @@ class StagePlan:
 
 @attrs.frozen
 class Plan:
-    """Stages, placement and schedule for one model on `world_size = pipeline_depth · dp` ranks.
+    """Stages, placement and schedule for one model on `world_size = sum(replicas) · dp` ranks.
 
-    World rank r is replica r // pipeline_depth at pipeline position r % pipeline_depth; stage s runs
-    on pipeline position `table.rank_of(s)`.
+    `replicas[q]` ranks run pipeline position q (all ones: `world_size = pipeline_depth · dp`, world rank r
+    is replica r // pipeline_depth at position r % pipeline_depth). Unequal counts route each of the
+    `microbatches` of a dp replica to one rank of each position (`schedules.Replicas`: world rank
+    `d · sum(replicas) + sum(replicas[:q]) + k` is replica k of position q in dp replica d), each replica
+    ordering its actions as `replica_order` says (`schedules.replica_rows`). Stage s runs
+    on pipeline position `table.rank_of(s)`. `equal_step_time` is the best prediction with equal replicas
+    when the planner chose unequal ones (0 otherwise).
     """
 
     schedule: str
@@ -75,7 +80,6 @@ class Plan:
     # (inf where it did not fit, with the reason); the chosen one is this plan's schedule and layout
     considered: tuple[tuple[str, str, float], ...] = attrs.field(default=(), converter=lambda rows: tuple(
         (str(name), str(layout), float(t)) for name, layout, t in rows))
-
     # per stage: B and W redo norms, copies and pointwise chains instead of F saving them (cheap
     # recomputation: less memory, extra memory-bound kernels); the planner turns it on only where memory needs it
     remat: tuple[bool, ...] = attrs.field(
@@ -87,16 +91,37 @@ class Plan:
     memory_terms: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(
         default=(), converter=lambda terms: tuple((str(k), tuple(int(b) for b in v)) for k, v in terms))
     recipe: str = ""  # the training recipe the memory was planned for (engine.planning.recipe), or ""
+    # per pipeline position: how many ranks run it inside a dp replica (see the class docstring)
+    replicas: tuple[int, ...] = attrs.field(
+        default=attrs.Factory(lambda self: (1,) * self.pipeline_depth, takes_self=True),
+        converter=lambda counts: tuple(int(c) for c in counts))
+    equal_step_time: float = 0.0
+    replica_order: str = "split"  # with unequal replicas: how each orders its actions (`schedules.replica_rows`)
 
     def __attrs_post_init__(self) -> None:
+        if len(self.replicas) != self.pipeline_depth or min(self.replicas, default=1) < 1:
+            raise PlanError(f"replicas {self.replicas} must give one count >= 1 for each of the {self.pipeline_depth} "
+                            "pipeline positions (or leave it out: one each)")
+        if any(self.microbatches % c for c in self.replicas):
+            raise PlanError(f"{self.microbatches} microbatches do not split evenly over replicas {self.replicas}: "
+                            "every replica of a stage runs the same share; use a microbatch count every replica "
+                            "count divides")
         for name, flags in (("recompute", self.recompute), ("remat", self.remat)):
             if len(flags) != self.num_stages:
                 raise PlanError(f"{name} has {len(flags)} flags for {self.num_stages} stages; give one "
                                 "bool per stage (or leave it out: no recomputation)")
+        if self.shard_optimizer and any(c > 1 for c in self.replicas):
+            raise PlanError(f"ZeRO-1 (shard_optimizer) with replicas per stage {self.replicas} is not supported yet: "
+                            "pass shard_optimizer=False, or equal replicas (dp)")
 
     @property
     def world_size(self) -> int:
-        return self.pipeline_depth * self.dp
+        return sum(self.replicas) * self.dp
+
+    @property
+    def routing(self) -> schedules.Replicas:
+        """How the ranks of one dp replica run the pipeline positions (`schedules.Replicas`)."""
+        return schedules.Replicas(self.replicas)
 
     def table(self) -> schedules.Table:
         """The (unlowered) schedule table of this plan."""
@@ -148,8 +173,9 @@ def format_plan(plan: Plan) -> str:
     limit = nbytes(plan.memory_limit) if plan.memory_limit else "none"
     ranks = ", ".join(nbytes(m) for m in plan.rank_memory) or "-"
     lines += [
-        f"{plan.schedule}{opts}: {plan.num_stages} stages on {plan.pipeline_depth} ranks x dp {plan.dp} = "
+        f"{plan.schedule}{opts}: {plan.num_stages} stages on {_positions(plan)} x dp {plan.dp} = "
         f"{plan.world_size} ranks; {plan.microbatches} microbatches of {plan.microbatch_size}",
+        *_replica_lines(plan),
         f"predicted step {plan.predicted_step_time * 1e3:.2f} ms (dp all-reduce {plan.allreduce_time * 1e3:.2f} ms), "
         f"bubble {plan.bubble_fraction:.1%}",
         f"device {plan.device}, link {plan.link or '-'}, memory limit {limit}; planned peak per rank {ranks}",
@@ -169,6 +195,37 @@ def format_plan(plan: Plan) -> str:
         lines += [f"  {name:<{width}}  {f'{t * 1e3:.2f} ms' if t != float('inf') else '-':>10}  {layout}"
                   for name, layout, t in plan.considered]
     return "\n".join(lines)
+
+
+def _positions(plan: Plan) -> str:
+    if len(set(plan.replicas)) == 1 and plan.replicas[0] == 1:
+        return f"{plan.pipeline_depth} ranks"
+    return f"{sum(plan.replicas)} ranks (replicas {'x'.join(map(str, plan.replicas))})"
+
+
+def _replica_lines(plan: Plan) -> list[str]:
+    """Where each pipeline position's replicas are, and why the planner chose unequal ones."""
+    if len(set(plan.replicas)) == 1 and plan.replicas[0] == 1:
+        return []
+    routing, v = plan.routing, plan.num_stages // plan.pipeline_depth
+    where = ", ".join(f"{_held(plan, q, v)} x{c} on rank{'s' if c > 1 else ''} {_span(routing.ranks(q))}"
+                      for q, c in enumerate(plan.replicas))
+    lines = [f"replicas per stage: {where}{' in dp replica 0' if plan.dp > 1 else ''}; microbatch i runs on replica "
+             f"i mod count, in the {plan.replica_order} order"]
+    if plan.equal_step_time > 0:
+        gain = plan.equal_step_time / plan.predicted_step_time - 1 if plan.predicted_step_time > 0 else 0.0
+        lines.append(f"unequal replicas chosen: predicted {plan.predicted_step_time * 1e3:.2f} ms against "
+                     f"{plan.equal_step_time * 1e3:.2f} ms for the best plan with equal replicas ({gain:.0%} faster)")
+    return lines
+
+
+def _held(plan: Plan, position: int, v: int) -> str:
+    stages = [s.index for s in plan.stages if s.rank == position] or [position]
+    return f"stage {stages[0]}" if v == 1 else f"stages {','.join(map(str, stages))}"
+
+
+def _span(ranks: range) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
 def _terms(plan: Plan) -> list[str]:

@@ -18,12 +18,15 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 import ir
 import schedules
 
 from ..errors import PlanError, SplitError, require_function
 from ..progress import track
 from ..units import nbytes
+from . import replicas as replicas_mod
 from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
 from .auto import AUTO, search_auto
 from .calibration import Calibration
@@ -93,8 +96,8 @@ def _rank_layouts(planner: Candidates, candidates: Sequence[Layout]) -> tuple[li
 
 
 def _describe(layout: Layout) -> str:
-    return (f"{layout.num_stages} stages on {layout.pipeline_depth} ranks x dp {layout.dp}, "
-            f"{layout.microbatches} microbatches")
+    return (f"{layout.num_stages} stages on {layout.pipeline_depth} ranks{replicas_mod.describe(layout)} x dp "
+            f"{layout.dp}, {layout.microbatches} microbatches")
 
 
 def _calibrate(stages: Sequence[StageCost], guesses: Sequence[StageCost], bounds: Sequence[int],
@@ -251,7 +254,7 @@ def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
         rank_memory=tuple(int(m) for m in cand.rank_memory), recompute=cand.recompute,
         remat=cand.remat or (False,) * layout.num_stages, shard_optimizer=cand.zero,
         memory_terms=rank_terms(table, cand.stages, planner.memory_for(layout), cand.rank_memory),
-        recipe=_recipe_text(planner.memory.recipe))
+        recipe=_recipe_text(planner.memory.recipe), replicas=layout.counts, replica_order=layout.replica_order)
 
 
 def _recipe_text(recipe: Recipe | None) -> str:
@@ -266,7 +269,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            recompute: bool | str = "auto", workshop: Workshop | None = None,
            build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
            fused_recompute: bool = False, recipe: Recipe | None = None,
-           min_microbatch_size: int | None = None) -> Planned:
+           min_microbatch_size: int | None = None, replicas: Sequence[int] | str | None = None) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them.
@@ -279,6 +282,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
                            stages_per_rank=stages_per_rank, cuts=cuts, link=link, memory_model=memory_model,
                            calibration=calibration, recompute=recompute, has_aux=has_aux,
                            fused_recompute=fused_recompute, recipe=recipe, min_microbatch_size=min_microbatch_size,
+                           replicas=replicas,
                            workshop=workshop or Workshop(fn, params, example_batch, device=get_device(device).kind,
                                                          has_aux=has_aux))
     profile = get_device(device)
@@ -293,8 +297,9 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
         if isinstance(stages, int) and stages != len(cuts) + 1:
             raise PlanError(f"stages={stages} but {len(cuts)} cuts make {len(cuts) + 1} stages; give one or the other")
         stages = len(cuts) + 1
-    v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
-    candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
+    counts = replicas_mod.requested(replicas)
+    v, candidates = _layouts(counts, schedule, stages_per_rank, world_size, batch_size_of(example_batch), stages=stages,
+                             dp=dp, microbatches=microbatches)
     candidates = above_floor(candidates, batch_size_of(example_batch), *floor_of(fn, min_microbatch_size),
                              auto=not isinstance(microbatches, int))
     # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
@@ -307,13 +312,40 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
     if cuts is not None:
         return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
     ranked, reasons = _rank_layouts(planner, candidates)
+    best = _first_fitting(planner, ranked, reasons)
+    if replicas_mod.considered(counts, stages, dp):
+        unequal, _ = _rank_layouts(planner, replicas_mod.auto_layouts(planner, world_size, v=v, stages=stages, dp=dp,
+                                                                      microbatches=microbatches))
+        if replicas_mod.promising(unequal, ranked, best is None):  # made exact only when the estimates say so
+            picked = replicas_mod.choose(best, _first_fitting(planner, unequal, reasons))
+            if picked is not None:
+                return _chosen(planner, *picked)
+    if best is None:
+        raise SplitError("no layout fits: " + "; ".join(reasons[:4]) +
+                         (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
+    return _chosen(planner, best)
+
+
+def _layouts(counts: tuple[int, ...] | str | None, schedule: str, stages_per_rank: int | None, world_size: int,
+             batch_size: int, *, stages: Any, dp: Any, microbatches: Any) -> tuple[int, list[Layout]]:
+    """Stages per rank and the layouts to plan: the user's replica counts, or equal replicas by world and dp."""
+    if isinstance(counts, tuple):
+        v = _stages_per_rank(schedule, stages_per_rank, stages, 1, len(counts))  # depth: one count per position
+        return v, replicas_mod.explicit_layouts(counts, world_size, batch_size, v=v, stages=stages, dp=dp,
+                                                microbatches=microbatches)
+    v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
+    return v, layouts(world_size, batch_size, v=v, stages=stages, dp=dp, microbatches=microbatches)
+
+
+def _first_fitting(planner: Candidates, ranked: Sequence[Candidate], reasons: list[str]) -> Candidate | None:
+    """The first of the ranked candidates that fits once made exact; why the others did not, in `reasons`."""
     for cand in track(ranked, "planning: exact stage costs"):
         try:
-            return _chosen(planner, _refine_auto(planner, cand))
+            return _refine_auto(planner, cand)
         except SplitError as err:
             reasons.append(str(err))
             log.debug("%s", err)
-    raise SplitError("no layout fits: " + "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
+    return None
 
 
 def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
@@ -333,15 +365,17 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     (engine/planning/auto.py). Other options: `world_size` (1), `schedule` ("1f1b"),
     `stages_per_rank`, `link`, `memory_model`, `calibration`, `recipe` (engine.Recipe: the optimizer,
     master-weight and grad dtypes and ZeRO-1 the memory is planned for; `plan.shard_optimizer` says
-    whether ZeRO-1 was chosen, and print(plan) shows each term of the memory per rank). Raises PlanError for counts that do not fit
+    whether ZeRO-1 was chosen, and print(plan) shows each term of the memory per rank), `replicas` (ranks per pipeline stage, like (2, 1); or
+    "auto", the default when stages or dp is "auto": unequal counts where predicted faster; see
+    engine.planning.replicas). Raises PlanError for counts that do not fit
     the world or batch, SplitError when nothing fits memory. `search` takes the same and also returns
     the graph, stage programs and lowered table it made on the way.
     """
     return search(fn, params, *example_batch, **options).plan
 
 
-def _chosen(planner: Candidates, cand: Candidate) -> Planned:
-    p = _to_plan(planner, cand, planner.schedule)
+def _chosen(planner: Candidates, cand: Candidate, equal_step_time: float = 0.0) -> Planned:
+    p = attrs.evolve(_to_plan(planner, cand, planner.schedule), equal_step_time=equal_step_time)
     log.info("plan:\n%s", p)
     for name, flags in (("activation recomputation", p.recompute), ("cheap recomputation", p.remat)):
         if any(flags):

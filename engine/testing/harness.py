@@ -224,7 +224,9 @@ def _as_spec(plan: PlanSpec | Plan | None, schedule: str, stages: int | None, mi
     world = launch.init(timeout).size if distributed else None
     if isinstance(plan, Plan):
         spec = PlanSpec(plan.schedule, plan.num_stages, plan.microbatches, plan.dp,
-                        plan.num_stages // plan.pipeline_depth, cuts=plan.cuts)
+                        plan.num_stages // plan.pipeline_depth, cuts=plan.cuts,
+                        replicas=plan.replicas if any(c > 1 for c in plan.replicas) else None,
+                        replica_order=plan.replica_order)
     else:
         spec = plan or _spec(schedule, stages, microbatches, dp, stages_per_rank, cuts, batch, world)
     if world is not None and spec.world_size != world:
@@ -310,6 +312,7 @@ class _Check:
                                   microbatches=spec.microbatches, stages=spec.stages, dp=spec.dp,
                                   stages_per_rank=spec.stages_per_rank, cuts=cuts, timeout=timeout, hook=hook,
                                   has_aux=self.state_ref is not None, min_microbatch_size=1,
+                                  replicas=spec.replicas,
                                   compiler="fx")  # the pipeline is under test, not inductor: no compile per case
         try:
             loss, grads = step(step.shard(self.params), *self.batch)

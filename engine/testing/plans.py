@@ -10,10 +10,12 @@ sizes (`weights`, resolved against the model's equation count), or left to the s
 
 Schedules are drawn from `schedules.names()` when the example is drawn, so a schedule registered with
 `schedules.register` before the test runs is drawn too (with one stage per rank; see `plans`).
+`plans(replicas=True)` also draws unequal replicas per stage (`PlanSpec.replicas`, like (2, 1)).
 """
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any, Callable, Sequence
 
@@ -49,7 +51,10 @@ class PlanSpec:
     """A layout to check a model on: `stages = pipeline_depth * stages_per_rank`, `world = depth * dp`.
 
     `cuts` are equation indices of the microbatch graph (stage k starts at `cuts[k-1]`); `weights` are
-    relative stage sizes in equations; with neither, the planner's splitter chooses the cuts.
+    relative stage sizes in equations; with neither, the planner's splitter chooses the cuts. `replicas`
+    (one count per pipeline rank, like (2, 1); None: one each) runs a pipeline rank on several ranks, so
+    `world = sum(replicas) * dp`; `replica_order` is how each orders its actions in a hand-made plan (the
+    planner chooses its own).
     """
 
     schedule: str
@@ -59,8 +64,14 @@ class PlanSpec:
     stages_per_rank: int = attrs.field(default=1, validator=_positive)
     cuts: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
     weights: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    replicas: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    replica_order: str = "split"
 
     def __attrs_post_init__(self) -> None:
+        if self.replicas is not None and (len(self.replicas) != self.pipeline_depth or min(self.replicas) < 1
+                                          or any(self.microbatches % c for c in self.replicas)):
+            raise PlanError(f"PlanSpec: replicas {self.replicas} must be {self.pipeline_depth} counts >= 1, one per "
+                            f"pipeline rank, each dividing the {self.microbatches} microbatches")
         if self.stages % self.stages_per_rank:
             raise PlanError(f"PlanSpec: {self.stages} stages do not split into {self.stages_per_rank} per rank")
         if self.cuts is not None and self.weights is not None:
@@ -76,7 +87,7 @@ class PlanSpec:
 
     @property
     def world_size(self) -> int:
-        return self.pipeline_depth * self.dp
+        return (sum(self.replicas) if self.replicas else self.pipeline_depth) * self.dp
 
     @property
     def schedule_options(self) -> tuple[tuple[str, Any], ...]:
@@ -87,7 +98,9 @@ class PlanSpec:
         v = f" ({self.stages_per_rank} per rank)" if self.stages_per_rank > 1 else ""
         how = (f", cuts {list(self.cuts)}" if self.cuts is not None else
                f", stage weights {':'.join(map(str, self.weights))}" if self.weights is not None else ", splitter cuts")
-        return (f"{self.schedule}: {self.stages} stages{v} on {self.pipeline_depth} ranks x dp {self.dp}, "
+        reps = (f" (replicas {'x'.join(map(str, self.replicas))}, {self.replica_order} order)"
+                if self.replicas else "")
+        return (f"{self.schedule}: {self.stages} stages{v} on {self.pipeline_depth} ranks{reps} x dp {self.dp}, "
                 f"{self.microbatches} microbatches{how}")
 
     def resolve_cuts(self, num_eqns: int) -> tuple[int, ...] | None:
@@ -117,7 +130,8 @@ class PlanSpec:
         if cuts is None or planner:
             return search(fn, params, *batch, world_size=self.world_size, schedule=self.schedule, stages=self.stages,
                           dp=self.dp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank,
-                          cuts=cuts or None, workshop=workshop_of(fn, params, batch), min_microbatch_size=1).plan
+                          cuts=cuts or None, workshop=workshop_of(fn, params, batch), min_microbatch_size=1,
+                          replicas=self.replicas).plan
         return _hand_plan(self, graph, cuts, _batch_size(batch) // parts)
 
 
@@ -150,7 +164,8 @@ def _hand_plan(spec: PlanSpec, graph: ir.Graph, cuts: tuple[int, ...], mb_size: 
         read = dict.fromkeys(v for e in graph.eqns[a:b] for v in e.inputs if v in params)
         stages.append(StagePlan(k, a, b, table.rank_of(k), names=tuple(names.get(v, "?") for v in read)))
     return Plan(spec.schedule, spec.stages, spec.pipeline_depth, spec.dp, spec.microbatches, cuts, tuple(stages),
-                schedule_options=spec.schedule_options, microbatch_size=mb_size, num_eqns=len(graph.eqns))
+                schedule_options=spec.schedule_options, microbatch_size=mb_size, num_eqns=len(graph.eqns),
+                replicas=spec.replicas or (1,) * spec.pipeline_depth, replica_order=spec.replica_order)
 
 
 # ---------------------------------------------------------------- drawing
@@ -189,7 +204,8 @@ def _layouts(fn: Callable, name: str, p: int, dp: int, max_v: int, max_m: int, b
 @st.composite
 def plans(draw: Any, world_sizes: Sequence[int] | None = None, schedules: Sequence[str] | None = None, *,
           dps: Sequence[int] = (1, 2), max_microbatches: int = 8, max_stages_per_rank: int = 3,
-          batch_size: int | None = None, num_eqns: int | None = None, cuts: str = "both") -> PlanSpec:
+          batch_size: int | None = None, num_eqns: int | None = None, cuts: str = "both",
+          replicas: bool = False) -> PlanSpec:
     """Valid `PlanSpec`s: a schedule from `schedules` (default: every registered one, looked up per draw),
     a world size from `world_sizes` (default `default_world_sizes()`), dp from `dps` dividing it, and
     stages per rank / microbatches the schedule accepts on the remaining pipeline depth: zbv and dualpipev (m >= 2p)
@@ -198,25 +214,56 @@ def plans(draw: Any, world_sizes: Sequence[int] | None = None, schedules: Sequen
     (and schedules you registered) one; a combination is kept when the schedule function builds a table
     with that many ranks. `batch_size`: keep microbatches x dp dividing it. `num_eqns`: the model's
     equation count (at most that many stages; cuts drawn as equation indices). `cuts`: "drawn" (explicit
-    cuts, or stage weights without `num_eqns`), "splitter" (the planner chooses) or "both".
+    cuts, or stage weights without `num_eqns`), "splitter" (the planner chooses) or "both". `replicas=True`
+    also draws unequal replicas per pipeline rank where the ranks of a dp replica allow (3 or more).
     """
     if cuts not in CUT_MODES:
         raise ValueError(f"cuts must be one of {CUT_MODES}, got {cuts!r}")
     name = draw(st.sampled_from(tuple(schedules or _schedules.names())))
     world = draw(st.sampled_from(tuple(world_sizes or default_world_sizes())))
     dp = draw(st.sampled_from([d for d in dps if world % d == 0] or [1]))
-    p = world // dp
-    options = _layouts(_schedules.get(name), name, p, dp, max_stages_per_rank, max_microbatches, batch_size, num_eqns)
+    counts = draw(replica_counts(world // dp)) if replicas else None
+    p = len(counts) if counts else world // dp
+    options = [o for o in _layouts(_schedules.get(name), name, p, dp, max_stages_per_rank, max_microbatches, batch_size,
+                                   num_eqns) if not counts or o[1] % math.lcm(*counts) == 0]
     assume(bool(options))  # e.g. zbv with more stages than the model has equations
     v, m = draw(st.sampled_from(options))
     n_stages = p * v
+    extra = dict(replicas=counts, replica_order=draw(st.sampled_from(_orders(name, n_stages, m, counts, v)))) \
+        if counts else {}
     mode = draw(st.sampled_from(("drawn", "splitter"))) if cuts == "both" else cuts
     if mode == "splitter" or n_stages == 1:
-        return PlanSpec(name, n_stages, m, dp, v, cuts=() if n_stages == 1 else None)
+        return PlanSpec(name, n_stages, m, dp, v, cuts=() if n_stages == 1 else None, **extra)
     if num_eqns is not None:
-        return PlanSpec(name, n_stages, m, dp, v, cuts=draw(cut_points(n_stages, num_eqns)))
+        return PlanSpec(name, n_stages, m, dp, v, cuts=draw(cut_points(n_stages, num_eqns)), **extra)
     weights = draw(st.lists(st.integers(1, MAX_WEIGHT), min_size=n_stages, max_size=n_stages))
-    return PlanSpec(name, n_stages, m, dp, v, weights=tuple(weights))
+    return PlanSpec(name, n_stages, m, dp, v, weights=tuple(weights), **extra)
+
+
+def _orders(name: str, n_stages: int, m: int, counts: tuple[int, ...], v: int) -> tuple[str, ...]:
+    """The replica orders that run for this layout ("split" always does; "own" may not, e.g. interleaved-1f1b
+    with a replica's share below the depth)."""
+    key = MULTI_STAGE_SCHEDULES.get(name)
+    options = {key: v} if key else {}
+    build = functools.partial(_schedules.get(name), n_stages, **options)
+    out = []
+    for order in _schedules.ORDERS:
+        try:
+            _schedules.replica_rows(build, m, _schedules.Replicas(counts), order)
+        except _schedules.ScheduleError:
+            continue
+        out.append(order)
+    return tuple(out)
+
+
+def replica_counts(ranks: int) -> st.SearchStrategy[tuple[int, ...] | None]:
+    """None, or unequal counts >= 1 over 2..ranks-1 pipeline ranks that sum to `ranks` (a composition)."""
+    if ranks < 3:
+        return st.none()
+    parts = st.integers(2, ranks - 1).flatmap(lambda q: st.lists(
+        st.integers(1, ranks - 1), min_size=q - 1, max_size=q - 1, unique=True).map(
+        lambda c: tuple(b - a for a, b in zip((0, *sorted(c)), (*sorted(c), ranks))))).filter(lambda c: len(set(c)) > 1)
+    return st.one_of(st.none(), parts)
 
 
 def cut_points(stages: int, num_eqns: int) -> st.SearchStrategy[tuple[int, ...]]:

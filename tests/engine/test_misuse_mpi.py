@@ -111,6 +111,11 @@ SAME: dict[str, tuple[str, str]] = {
     "check_inputs_unknown": ("PlanError", "check_inputs must be one of 'first', 'every', 'never', got 'sometimes': "
                              "'first' compares the ranks' inputs on the first step, 'every' on every step"),
     "ranks_choose_other_checks": ("RuntimeMismatchError", "re:" + OTHER_PLAN),
+    # replicas per stage: refused alike on every rank, before planning
+    "replicas_bad_count": ("PlanError", "replicas must be one int >= 1 per pipeline stage, like (2, 1) for stage 0 "
+                           "on 2 ranks and stage 1 on 1; got (1, 0)"),
+    "replicas_too_many_ranks": ("PlanError", "replicas=(2, 1) use 3 ranks per pipeline replica, which does not divide "
+                                "world_size=2; give counts summing to a divisor of 2 ([1, 2])"),
 }
 ON_META = ("param '{}' on rank {} is on meta, this rank runs on cpu; pass the tree from step.shard(params) (it moves "
            "this rank's leaves there)")

@@ -339,6 +339,20 @@ def ranks_choose_other_checks(c: Ctx) -> str:
     return "accepted"
 
 
+# -- replicas per stage ------------------------------------------------------------------------------
+
+@case
+def replicas_bad_count(c: Ctx) -> str:
+    engine.parallelize(loss_fn, c.params, c.x, c.y, microbatches=4, replicas=(1, 0), timeout=TIMEOUT)
+    return "accepted"
+
+
+@case
+def replicas_too_many_ranks(c: Ctx) -> str:
+    engine.parallelize(loss_fn, c.params, c.x, c.y, microbatches=4, replicas=(2, 1), timeout=TIMEOUT)
+    return "accepted"
+
+
 # -- the job ----------------------------------------------------------------------------------------
 
 def run(c: Ctx, name: str) -> None:
