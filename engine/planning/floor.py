@@ -8,9 +8,9 @@ the batch per replica so a small batch still plans (one microbatch per replica t
 """
 from __future__ import annotations
 
-import attrs
+from collections.abc import Callable, Sequence
 
-from typing import Any, Callable, Sequence
+import attrs
 
 import ir
 
@@ -42,10 +42,11 @@ def above_floor(layouts: Sequence[Layout], batch_size: int, floor: int, why: str
     count given, PlanError naming the counts that would do when no layout is left."""
     keep = [lay for lay in layouts if lay.microbatch_size(batch_size) >= _needed(lay, batch_size, floor)]
     if auto:
-        shape = lambda lay: (lay.pipeline_depth, lay.stages_per_rank, lay.dp, lay.replicas)  # noqa: E731
+        shape = lambda lay: (lay.pipeline_depth, lay.stages_per_rank, lay.dp, lay.replicas)
         have = {shape(lay) for lay in keep}
-        for key, lay in {shape(lay): lay for lay in reversed(layouts)}.items():
-            if key not in have:
+        for lay in layouts:
+            if shape(lay) not in have:
+                have.add(shape(lay))
                 rows = batch_size // lay.dp
                 m = max(d for d in range(1, rows + 1) if rows % d == 0 and rows // d >= min(floor, rows))
                 keep.append(attrs.evolve(lay, microbatches=m))
