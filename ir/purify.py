@@ -94,8 +94,9 @@ def remove_mutation(g: Graph) -> Graph:
 
 
 def _eval_dropout(e: Eqn) -> bool:
+    """Dropout that is the identity: eval mode, or p = 0 in train mode (`F.dropout(x, p=0.0, training=True)`)."""
     return e.op in ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default") and \
-        _arg(e, 2, "train", True) is False
+        (_arg(e, 2, "train", True) is False or _arg(e, 1, "p", 0.5) == 0)
 
 
 def _arg(e: Eqn, pos: int, name: str, default: object) -> object:

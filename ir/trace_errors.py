@@ -20,9 +20,11 @@ _NOT_USER = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__),
 RNG = ("{op} draws from PyTorch's global random state{where}\n"
        "Dropout, DropPath (stochastic depth), torch.rand* and bernoulli_ all do, so the graph would not be a "
        "pure function: every microbatch, rank and replay would draw different numbers.\n"
-       "Fix: pass the randomness in: ir.random.dropout(x, p, key), or a mask `ir.random.uniform(key, shape) "
-       ">= p`, with `key` an int64 tensor in the batch (a new one each step); or switch it off (model.eval(), "
-       "F.dropout(..., training=False), drop_path_rate=0).")
+       "Fix: pass the randomness in. For dropout, run the model under `with ir.keyed_dropout(keys):` with keys = ir.row_keys(seed, "
+       "batch_size) a batch argument (engine.functionalize(model, rng=True) does this), so each row's mask is "
+       "keyed and the pipeline equals one process; for other draws pass the randomness in: a mask "
+       "`ir.random.uniform(key, shape) >= p` with `key` an int64 tensor in the batch; or switch it off "
+       "(model.eval(), F.dropout(..., training=False), drop_path_rate=0).")
 
 INPUT_WRITE = ("{op} mutates input '{name}' in place{where}\n"
                "The loss function must be pure: it is traced once and replayed for every microbatch and rank, "

@@ -173,7 +173,7 @@ def rng_rand_mask(p, x, y):
 def test_global_rng_names_the_pure_alternative(fn, op, text):
     """DropPath's `new_empty(...).bernoulli_(p)` is refused for its RNG, not as an in-place op."""
     msg = _trace_error(fn)
-    assert msg.startswith(op) and "global random state" in msg and "ir.random.dropout(x, p, key)" in msg
+    assert msg.startswith(op) and "global random state" in msg and "ir.keyed_dropout(keys)" in msg and "ir.random.uniform(key, shape)" in msg
     assert f"{HERE}:{_line_of(drop_path if fn is rng_drop_path else fn, text)}" in msg.splitlines()[1]
     assert "in-place" not in msg and "torch.where(cond" not in msg and "drop_path_rate=0" in msg
 
