@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
@@ -17,7 +16,7 @@ from .core import Graph
 from .errors import TraceError
 from .fx_import import FxImporter
 from .purify import reject_rng, remove_mutation
-from .trace_errors import ImpureError, explain, frame_line, locate, not_a_function
+from .trace_errors import ImpureError, explain, locate, not_a_function, raised_at
 
 # torch logs every failing fake op with a traceback of its own; the TraceError says what it means
 _TORCH_LOGGERS = ("torch._subclasses.fake_tensor",)
@@ -73,7 +72,7 @@ def _fake_leaf(x: Any, mode: FakeTensorMode, device: str | None, name: str) -> F
 
 
 def _user_line(exc: BaseException) -> str:
-    return frame_line(traceback.extract_tb(exc.__traceback__))
+    return raised_at(exc)
 
 
 @contextlib.contextmanager

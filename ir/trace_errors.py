@@ -57,6 +57,30 @@ NOT_A_FUNCTION = ("{entry} takes a pure function fn(params, *batch) -> loss and 
                   "(leaves named params.<module path> and buffers.<module path>).")
 
 
+MOE = ("This is mixture-of-experts routing: gathering each expert's tokens (top-k with a data-dependent token "
+       "count per expert) cannot be a static pipeline.\n"
+       "Fix: route with fixed shapes: transformers' MoE models run every token's top-k experts on gathered "
+       "weights with `model.set_experts_implementation(\"batched_mm\")` (or from_pretrained(..., "
+       "experts_implementation=\"batched_mm\")); in your own layer run every expert on every token and weight "
+       "by the gates (zero for unselected experts), or use a fixed expert capacity.")
+
+#: words in the failing line's file or function -> what that construct is and its way out
+_CONSTRUCTS = {("moe", "expert"): MOE}
+
+
+def _construct(at: str) -> str | None:
+    low = at.lower()
+    return next((hint for words, hint in _CONSTRUCTS.items() if any(w in low for w in words)), None)
+
+
+def raised_at(exc: BaseException) -> str:
+    """Where tracing raised: the innermost line outside torch and fnpipe, and the user's own line that
+    called it when that one is in a library (transformers' modeling file, called from the loss)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inner, own = frame_line(frames, libraries=True), frame_line(frames)
+    return inner if own in ("", inner) else f"{inner}\n  called from {own}"
+
+
 def _where(at: str) -> str:
     return f"\n  at {at}" if at else ""
 
@@ -77,8 +101,9 @@ class ImpureError(TraceError):
 def frame_line(frames: Sequence[traceback.FrameSummary], *, libraries: bool = False) -> str:
     """`file:line in function: code` of the innermost frame outside torch and fnpipe (and, unless
     `libraries`, outside site-packages), or "" when there is none."""
-    for fr in reversed(frames):
-        if fr.filename.startswith(_NOT_USER) or (not libraries and "site-packages" in fr.filename):
+    for fr in reversed(frames):  # `<string>`: code that torch or a library generated
+        if fr.filename.startswith(_NOT_USER) or fr.filename.startswith("<") or \
+                (not libraries and "site-packages" in fr.filename):
             continue
         return f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
     return ""
@@ -143,7 +168,9 @@ def explain(fn_name: str, exc: BaseException, at: str) -> str:
     if isinstance(exc, GuardOnDataDependentSymNode):
         return CONTROL_FLOW.format(fn=fn_name, op="a data-dependent value", where=_where(at))
     if isinstance(exc, DynamicOutputShapeException):
-        return DYNAMIC_SHAPE.format(fn=fn_name, op=op, where=_where(at))
+        text = DYNAMIC_SHAPE.format(fn=fn_name, op=op, where=_where(at))
+        construct = _construct(at)
+        return text if construct is None else text.split("\n")[0] + _where(at) + "\n" + construct
     return FUNCTION_RAISED.format(fn=fn_name, kind=type(exc).__name__, text=op, where=_where(at))
 
 
