@@ -1,6 +1,6 @@
 """The module bridge: an `nn.Module` becomes a pure `fn(variables, *batch)` and its variables tree.
 
-    model = MyNet().eval()                        # or train mode: see "What is refused" below
+    model = MyNet().eval()                        # or train mode: see "Dropout" and "What is refused" below
     fn, variables = engine.functionalize(model, loss=F.cross_entropy)
     step = engine.parallelize(fn, variables, x, y)
     variables = step.shard(variables)
@@ -18,18 +18,34 @@ zero (`torch.func.grad`) and zero or None (the pipeline). Give the optimizer `va
 `torch.func.grad` cannot differentiate integer leaves (`num_batches_tracked`): take the reference grad
 with respect to `variables["params"]`, closing over the buffers.
 
-`loss(output, *targets) -> scalar` must be a mean over the batch (the engine's contract); with
-`inputs=n` the first n batch arguments go to the module and the rest to `loss`. With `loss=None` the
-module's output is the loss and every batch argument goes to the module.
+Batch arguments, the module and the loss (every batch argument is a tensor split along dim 0):
+  - `inputs=n` (default 1): the first n batch arguments go to `forward` positionally.
+  - `inputs=("input_ids", "attention_mask", "labels")`: they go to `forward` by these keyword names, in
+    order (Hugging Face models take everything by keyword), and name the batch leaves in plans and errors.
+  - `loss=None`: the module's own loss. A tensor result is the loss; a `ModelOutput` or dict result gives
+    its `loss` field (transformers computes it when `labels` is among `inputs`); without one, ModuleError.
+  - `loss=f`: the batch arguments after `inputs` are targets, and the loss is `f(out, *targets)`, with `out`
+    the module's result, or `out[output]` with `output="logits"` (a ModelOutput / dict field).
+The loss must be a mean over the batch (the engine's contract). Keywords over positions because that is
+how transformers' `forward`s are called; a field name rather than an `output_fn` because it covers every
+ModelOutput and names itself in errors, while `loss=lambda out, y: ...` stays for anything else.
+
+Dropout (`rng=True`): train-mode dropout with p > 0 (nn.Dropout, F.dropout, attention dropout through
+F.scaled_dot_product_attention(dropout_p=...)) draws from keys instead of PyTorch's global RNG. The
+function takes one more, last, batch argument: `ir.row_keys(seed, batch_size)`, an int64 key per row
+of the full batch (a new seed each step); `fn` runs the module under `ir.keyed_dropout(keys)` (ir/dropout.py).
+Each element's mask is a hash of (its row's key, the dropout call, its place in the row), so a pipeline
+of any schedule, stage count, microbatch count and dp computes exactly what one process computes on the
+full batch with the same keys. The keys are a batch leaf, not a hidden step argument: the step stays a
+pure function of what it is given, and each microbatch carries the keys of its own rows.
 
 What is refused (ModuleError, at `functionalize` time or when the function is first traced/called):
   - BatchNorm in train mode: it writes running statistics into its buffers (a pure function cannot),
     and its batch statistics over a microbatch differ from the full batch's, so grads would depend on
     the microbatch count. Use `model.eval()` for BN layers, GroupNorm/LayerNorm, or compute stats yourself.
   - Any other in-place write to a buffer (seen through the buffer's version counter).
-  - Dropout (or attention dropout) with p > 0 in train mode: PyTorch's dropout reads the global RNG.
-    Use p = 0 or eval mode, or `ir.random.dropout(x, p, key)` with the key in the batch. Dropout with
-    p = 0 in train mode is the identity and is run as such.
+  - Dropout (or attention dropout) with p > 0 in train mode without `rng=True`: PyTorch's dropout reads
+    the global RNG. Dropout with p = 0 in train mode is the identity and is run as such.
 """
 from __future__ import annotations
 
@@ -75,6 +91,7 @@ def functionalize(module: nn.Module, loss: Callable[..., torch.Tensor] | None = 
         params = dict(flat_names(variables["params"]))
         buffers = {k: v.detach() for k, v in flat_names(variables["buffers"])}
         versions = {k: v._version for k, v in buffers.items()}
+        _check_count(len(batch), names, count, loss is not None, rng)
         batch, keys = (batch[:-1], batch[-1]) if rng else (batch, None)
         args, targets = (batch, ()) if loss is None and names is None else (batch[:count], batch[count:])
         call = (tuple(args), {}) if names is None else ((), dict(zip(names, args)))
@@ -106,6 +123,18 @@ def _input_names(inputs: int | Sequence[str], loss: Callable | None) -> tuple[st
         raise ModuleError(f"inputs={inputs!r}: give forward's keyword names, distinct, e.g. "
                           "('input_ids', 'attention_mask', 'labels')")
     return names
+
+
+def _check_count(given: int, names: tuple[str, ...] | None, count: int, has_loss: bool, rng: bool) -> None:
+    """ModuleError unless the batch has the module's inputs, a target for `loss` and the keys of `rng`."""
+    need = (0 if names is None and not has_loss else count) + (1 if has_loss else 0) + (1 if rng else 0)
+    exact = names is not None and not has_loss
+    if given == need or (given > need and not exact):
+        return
+    parts = [f"{count} for inputs {names or ''}".rstrip(), "then the loss's targets" if has_loss else "",
+             "then ir.row_keys(seed, batch_size) last (rng=True)" if rng else ""]
+    raise ModuleError(f"{'exactly' if exact else 'at least'} {need} batch arguments expected, got {given}: "
+                      + ", ".join(p for p in parts if p))
 
 
 def _field(module: nn.Module, out: Any, name: str | None) -> Any:

@@ -97,3 +97,15 @@ def test_train_mode_dropout_with_rng_equals_one_process_under_any_layout():
     for schedule, stages, dp in (("1f1b", 2, 2), ("interleaved-1f1b", 4, 1), ("zbv", 4, 1)):
         assert_parallel_equivalent(f, p, ids, mask, labels, keys, schedule=schedule, stages=stages, dp=dp,
                                    rtol=1e-12)
+
+
+def test_a_missing_keys_argument_is_named():
+    model = Classifier(p=0.3).double().train()
+    ids, mask, labels = batch()
+    fn, variables = functionalize(model, inputs=("input_ids", "attention_mask", "labels"), rng=True)
+    with pytest.raises(ModuleError, match=r"exactly 4 batch arguments expected, got 3: 3 for inputs .*"
+                                          r"then ir.row_keys\(seed, batch_size\) last \(rng=True\)"):
+        fn(variables, ids, mask, labels)
+    fn, variables = functionalize(model, loss=F.cross_entropy, inputs=("input_ids",), output="logits", rng=True)
+    with pytest.raises(ModuleError, match="at least 3 batch arguments expected, got 2"):
+        fn(variables, ids, labels)
