@@ -16,7 +16,7 @@ from ir_cases import examples
 
 import ir
 from ir.purify import resolve
-from engine.testing import assert_parallel_equivalent
+from engine.testing import assert_parallel_equivalent, plans
 
 SEEDS = st.integers(-(2**62), 2**62)
 
@@ -106,6 +106,14 @@ def test_pipeline_with_dropout_equals_one_process_with_the_same_keys(schedule, s
     result = assert_parallel_equivalent(keyed_loss, params, x, y, keys, schedule=schedule, stages=stages, dp=dp,
                                         rtol=1e-12, atol=1e-14)
     assert result.max_rel_error < 1e-12
+
+
+@settings(max_examples=examples(8))
+@given(plans(batch_size=16))
+def test_any_drawn_plan_with_dropout_equals_one_process(spec):
+    """Random schedules, stage counts, cut points, microbatch counts and dp: the masks never change."""
+    params, x, y, keys = keyed_case()
+    assert_parallel_equivalent(keyed_loss, params, x, y, keys, plan=spec, rtol=1e-12, atol=1e-14)
 
 
 def test_a_sequence_first_tensor_is_refused_naming_the_fix():
