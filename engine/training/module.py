@@ -126,8 +126,9 @@ def _input_names(inputs: int | Sequence[str], loss: Callable | None) -> tuple[st
 
 
 def _check_count(given: int, names: tuple[str, ...] | None, count: int, has_loss: bool, rng: bool) -> None:
-    """ModuleError unless the batch has the module's inputs, a target for `loss` and the keys of `rng`."""
-    need = (0 if names is None and not has_loss else count) + (1 if has_loss else 0) + (1 if rng else 0)
+    """ModuleError unless the batch has the module's inputs (exactly those when the module's own loss is
+    taken by name), then any targets of `loss`, then the keys of `rng`."""
+    need = (0 if names is None and not has_loss else count) + (1 if rng else 0)
     exact = names is not None and not has_loss
     if given == need or (given > need and not exact):
         return
