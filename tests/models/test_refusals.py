@@ -16,7 +16,7 @@ import engine
 import ir
 from engine.testing import assert_parallel_equivalent
 from tests.models.test_zoo import GRAD_MODE
-from tests.models.zoo import BATCH, SEQ, VOCAB, _LM, _ids, _quiet_transformers, case, next_token_loss
+from tests.models.zoo import _LM, _ids, _quiet_transformers, case, next_token_loss
 
 
 def moe_model(kind: str, experts: str) -> nn.Module:

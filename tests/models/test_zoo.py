@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from torch.utils import _pytree as pytree
 
 from engine.testing import ModelCase, assert_parallel_equivalent
 from tests.models.zoo import FAMILIES, FLOAT32_LOSS
@@ -58,13 +59,7 @@ def test_family_equals_func_grad(family: str, dropout: bool, schedule: str, stag
     model = built(family, dropout)
     rtol = 1e-6 if family in FLOAT32_LOSS else 1e-10
     result = assert_parallel_equivalent(model, schedule=schedule, stages=stages, rtol=rtol, atol=1e-12)
-    assert result.max_rel_error <= rtol and result.leaves == len(list(_leaves(model.params)))
-
-
-def _leaves(tree):
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_leaves(tree)
+    assert result.max_rel_error <= rtol and result.leaves == len(pytree.tree_leaves(model.params))
 
 
 @pytest.mark.xfail(strict=True, reason="the harness differentiates every leaf; integer buffers need None grads "

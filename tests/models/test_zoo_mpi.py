@@ -14,7 +14,7 @@ import pytest
 
 from tests.models.mpi_zoo import CASES
 from tests.models.test_zoo import EMPTY_STAGE, GRAD_MODE, SHIFT_RIGHT
-from tests.mpi.jobs import BIN, job_env, launch
+from tests.mpi.jobs import BIN, launch
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 BLOCKED = {"llama-zb-h1": GRAD_MODE, "llama-dropout-zbv": GRAD_MODE, "t5-1f1b": SHIFT_RIGHT, "bert-zbv": EMPTY_STAGE}
