@@ -26,6 +26,10 @@ layout (`[seq, batch, ...]`) would silently mix rows; put the batch first. Insid
 function is traced as plain integer ops (no RNG op reaches the graph); the mode works the same eagerly,
 which is how the one-process reference runs. Attention with dropout is computed on the math path
 (softmax, keyed dropout, matmul) since the fused kernels draw from the global RNG.
+
+Cost: a mask is two splitmix64 rounds of int64 elementwise ops per element (the planner counts them
+like any op), and attention with dropout materialises its [batch, heads, L, S] weights where flash
+attention would not; dropout-free runs (p = 0, eval mode) pay nothing.
 """
 from __future__ import annotations
 
