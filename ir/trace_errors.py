@@ -94,8 +94,16 @@ class ImpureError(TraceError):
         template = RNG if kind == "rng" else INPUT_WRITE
         super().__init__(template.format(op=op, name=name, where=_where(at)))
 
-    def located(self, at: str) -> ImpureError:
-        return ImpureError(self.kind, self.op, self.name, at) if at else ImpureError(self.kind, self.op, self.name)
+    def located(self, at: str, op: str = "") -> ImpureError:
+        """The same error at source line `at`, naming `op` (the op as the function called it, before
+        functionalization renamed it: `bernoulli_.float` for `bernoulli.p`) when it is that op."""
+        same = op and (self.kind == "write" or _base(op) == _base(self.op))
+        return ImpureError(self.kind, op if same else self.op, self.name, at)
+
+
+def _base(op: str) -> str:
+    parts = op.split(".")
+    return parts[1].rstrip("_") if len(parts) > 2 else op
 
 
 def frame_line(frames: Sequence[traceback.FrameSummary], *, libraries: bool = False) -> str:
@@ -110,7 +118,9 @@ def frame_line(frames: Sequence[traceback.FrameSummary], *, libraries: bool = Fa
 
 
 class _Stop(Exception):
-    pass
+    def __init__(self, op: str) -> None:
+        super().__init__(op)
+        self.op = op
 
 
 def _draws(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -134,30 +144,31 @@ class _Finder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.kind == "rng" and _draws(func, args, kwargs):
-            raise _Stop()
+            raise _Stop(str(func))
         if self.kind == "write":
             for i, a in enumerate(func._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write:
                     t = args[i] if i < len(args) else kwargs.get(a.name)
                     if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in self.storages:
-                        raise _Stop()
+                        raise _Stop(str(func))
         return func(*args, **kwargs)
 
 
-def locate(kind: str, run: Callable[[], Any], inputs: Sequence[torch.Tensor]) -> str:
+def locate(kind: str, run: Callable[[], Any], inputs: Sequence[torch.Tensor]) -> tuple[str, str]:
     """Where `run()` (the traced function, on fake inputs, under their fake mode) first draws random
-    numbers or writes into `inputs`: the innermost line outside torch, and the user's own line when
-    that one is in a library (timm's drop_path, called from the loss function)."""
+    numbers or writes into `inputs`, and the op that does: the innermost line outside torch, and the
+    user's own line when that one is in a library (timm's drop_path, called from the loss function);
+    ("", "") when it is not found."""
     try:
         with _Finder(kind, inputs):
             run()
     except _Stop as stop:
         frames = traceback.extract_tb(stop.__traceback__)
         inner, own = frame_line(frames, libraries=True), frame_line(frames)
-        return inner if own in ("", inner) else f"{inner}\n  called from {own}"
+        return (inner if own in ("", inner) else f"{inner}\n  called from {own}"), stop.op
     except Exception:  # noqa: BLE001 -- only a hint: the message stands without a line
-        return ""
-    return ""
+        return "", ""
+    return "", ""
 
 
 def explain(fn_name: str, exc: BaseException, at: str) -> str:

@@ -43,7 +43,8 @@ from .mismatch import LeafDiff, ParallelDeadlock, ParallelMismatch, compare_leav
 from .models import ModelCase
 from .plans import PlanSpec
 
-__all__ = ["STATS", "Checked", "Equivalence", "assert_parallel_equivalent", "format_stats", "in_distributed_job"]
+__all__ = ["STATS", "Checked", "Equivalence", "assert_parallel_equivalent", "format_stats", "in_distributed_job",
+           "reference_grad_and_value"]
 
 
 @attrs.frozen
@@ -190,11 +191,35 @@ def assert_parallel_equivalent(fn: Callable | ModelCase, params: Any = None, *ba
         spec, fixed = _as_spec(plan, schedule, stages, microbatches, dp, stages_per_rank, cuts, batch, distributed,
                                timeout), None
     with contextlib.nullcontext() if distributed else _one_thread_per_rank():
-        grads_ref, loss_ref = torch.func.grad_and_value(fn)(params, *batch)
+        grads_ref, loss_ref = reference_grad_and_value(fn, params, batch)
         check = _Check(fn, params, batch, spec, description, rtol, atol, loss_ref, grads_ref)
         if distributed:
             return check.distributed(hook, timeout)
         return check.inprocess(fixed or spec.to_plan(fn, params, *batch), hook, timeout)  # type: ignore[union-attr]
+
+
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def reference_grad_and_value(fn: Callable, params: Any, batch: Sequence[Any]) -> tuple[Any, torch.Tensor]:
+    """`torch.func.grad_and_value(fn)(params, *batch)` over the floating leaves of params only: integer and
+    bool leaves (position ids, masks, integer buffers) cannot require grad, and their grads are None, as the
+    pipelined step returns them."""
+    leaves, tree = pytree.tree_flatten(params)
+    diff = [i for i, x in enumerate(leaves) if _differentiable(x)]
+
+    def of_floats(floats: list[torch.Tensor]) -> torch.Tensor:
+        full = list(leaves)
+        for i, x in zip(diff, floats):
+            full[i] = x
+        return fn(pytree.tree_unflatten(full, tree), *batch)
+
+    grads, loss = torch.func.grad_and_value(of_floats)([leaves[i] for i in diff])
+    out: list[Any] = [None] * len(leaves)
+    for i, g in zip(diff, grads):
+        out[i] = g
+    return pytree.tree_unflatten(out, tree), loss
 
 
 def _as_spec(plan: PlanSpec | Plan | None, schedule: str, stages: int | None, microbatches: int | None,
@@ -252,8 +277,8 @@ class _Check:
 
     def verdict(self, plan: Plan, programs: Sequence[Any], loss: torch.Tensor, actual: Sequence[Any], *,
                 distributed: bool, skip: Sequence[bool] = ()) -> Equivalence:
-        names, expected = self.names(), pytree.tree_leaves(self.grads_ref)
-        keep = [i for i in range(len(expected)) if not (skip and skip[i])]
+        names, expected = self.names(), pytree.tree_leaves(self.grads_ref, is_leaf=lambda x: x is None)
+        keep = [i for i in range(len(expected)) if not (skip and skip[i]) and expected[i] is not None]
         loss_diff = compare_leaves(["loss"], [loss], [self.loss_ref], rtol=self.rtol, atol=self.atol)[0]
         grads = compare_leaves([names[i] for i in keep], [actual[i] for i in keep], [expected[i] for i in keep],
                                rtol=self.rtol, atol=self.atol)

@@ -262,6 +262,9 @@ def writes_into_a_view(p, x, y):
     return F.mse_loss(h, y)
 
 
-def test_writing_into_a_view_that_is_used_later_names_the_fix():
-    msg = _trace_error(writes_into_a_view)
-    assert "writes into a tensor whose other views are used later" in msg and "torch.where" in msg
+def test_writing_into_a_view_of_a_fresh_tensor_is_functionalized():
+    g = ir.trace(writes_into_a_view, *_args())
+    assert not any(e.op.split(".")[1].endswith("_") for e in g.eqns)
+    assert "aten.select_scatter.default" in [e.op for e in g.eqns]
+    for compiled in (True, False):
+        assert torch.equal(ir.evaluate(g, *_args(), compiled=compiled), writes_into_a_view(*_args()))
