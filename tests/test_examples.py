@@ -34,10 +34,7 @@ def test_train_gpt_learns_on_two_ranks_under_mpirun(schedule: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("family, dropout", [
-    pytest.param("llama", "0.0", marks=pytest.mark.xfail(strict=True, reason="transformers' Llama runs its rotary "
-                                                           "embedding under torch.no_grad (ir-coverage: grad modes)")),
-    ("gpt2", "0.1")])
+@pytest.mark.parametrize("family, dropout", [("llama", "0.0"), ("gpt2", "0.1")])
 def test_hf_llama_learns_with_zb_h1_on_two_ranks(family: str, dropout: str) -> None:
     """examples/hf_llama.py: a transformers causal LM (keyed dropout for GPT-2) on 2 ranks with zb-h1; the
     loss falls well below its start."""

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import engine
 import ir
 from engine.testing import assert_parallel_equivalent
-from tests.models.test_zoo import GRAD_MODE
 from tests.models.zoo import _LM, _ids, _quiet_transformers, case, next_token_loss
 
 
@@ -74,7 +73,6 @@ def test_own_moe_layer_names_this_file_and_line() -> None:
     assert "mixture-of-experts" in text and "run every expert on every token" in text
 
 
-@pytest.mark.xfail(strict=True, reason=GRAD_MODE)
 def test_mixtral_with_fixed_shape_routing_equals_func_grad() -> None:
     """The way out works: batched_mm experts (top-k on gathered weights) through the pipeline."""
     model = moe_model("mixtral", "batched_mm")

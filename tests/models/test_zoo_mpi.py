@@ -1,8 +1,7 @@
 """One zoo family per architecture under `mpirun -n 2` (gloo): decoder (GPT-2, Llama), encoder (BERT),
 encoder-decoder (T5), vision (ViT, a BN-eval ResNet); keyed dropout across ranks, with dp = 2 too.
 
-One launch runs every case of tests/models/mpi_zoo.py; each case is then a test of its own here, and a
-case still refused (tests/models/test_zoo.py's BLOCKED) is a strict xfail with its cause.
+One launch runs every case of tests/models/mpi_zoo.py; each case is then a test of its own here.
 """
 from __future__ import annotations
 
@@ -13,11 +12,9 @@ import sys
 import pytest
 
 from tests.models.mpi_zoo import CASES
-from tests.models.test_zoo import EMPTY_STAGE, GRAD_MODE, SHIFT_RIGHT
 from tests.mpi.jobs import BIN, launch
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-BLOCKED = {"llama-zb-h1": GRAD_MODE, "llama-dropout-zbv": GRAD_MODE, "t5-1f1b": SHIFT_RIGHT, "bert-zbv": EMPTY_STAGE}
 
 
 @functools.cache
@@ -31,8 +28,7 @@ def results() -> dict[tuple[int, str], str]:
 
 def _cases() -> list:
     names = [name for family in CASES.values() for name, _, _ in family]
-    return [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=BLOCKED[n])] if n in BLOCKED else [])
-            for n in names]
+    return names
 
 
 @pytest.mark.parametrize("case", _cases())

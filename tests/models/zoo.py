@@ -84,8 +84,9 @@ def gpt2(*, dropout: bool = False) -> ModelCase:
     return case("gpt2", T.GPT2LMHeadModel(config), ("input_ids", "labels"), (ids, ids), dropout=dropout)
 
 
-def bert(*, dropout: bool = False, closed_buffers: bool = True) -> ModelCase:
-    """Sequence classification with a padding mask (rows of different lengths) and integer buffers."""
+def bert(*, dropout: bool = False, closed_buffers: bool = False) -> ModelCase:
+    """Sequence classification with a padding mask (rows of different lengths); the integer buffers are
+    leaves of the checked tree unless `closed_buffers`."""
     T = _quiet_transformers()
     torch.manual_seed(0)
     config = T.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
