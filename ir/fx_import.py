@@ -34,6 +34,24 @@ def _user_frame(stack: str | None) -> str:
     return ""
 
 
+def _only_checks(op: torch._ops.OpOverload) -> bool:
+    """An op that returns nothing and writes nothing only checks its inputs at run time
+    (`_linalg_check_errors`, `_assert_tensor_metadata`): it has no value in a pure graph. (Its check
+    repeats what the op before it reported as a value, such as `linalg.inv_ex`'s `info`.)"""
+    return not op._schema.returns and not any(a.alias_info is not None and a.alias_info.is_write
+                                              for a in op._schema.arguments)
+
+
+def _regroup(outs: tuple[Var | None, ...], nested: tuple[int | None, ...]) -> list[Any]:
+    """Flat outputs back in the op's shape, so fx's getitem nodes (one per level) find them."""
+    if not nested:
+        return list(outs)
+    grouped, it = [], iter(outs)
+    for n in nested:
+        grouped.append(next(it) if n is None else [next(it) for _ in range(n)])
+    return grouped
+
+
 class FxImporter:
     """Walks fx nodes in order, giving each tensor value a Var and each op call an Eqn."""
 
@@ -43,6 +61,8 @@ class FxImporter:
         self.inputs: list[Var] = []
         self.eqns: list[Eqn] = []
         self.outputs: tuple[Any, ...] = ()
+        self.grad_enabled = True
+        self.frozen: list[Eqn] = []  # equations run with grad off (ir.grad_mode makes them stop-gradients)
 
     def run(self) -> FxImporter:
         handlers = {"placeholder": self._placeholder, "get_attr": self._get_attr,
@@ -70,25 +90,37 @@ class FxImporter:
                 f"{getattr(value, 'shape', '?')}); pass it in params or the batch instead")
         self.env[node] = Literal(value.detach().clone())
 
+    def _set_grad_enabled(self, node: torch.fx.Node) -> None:
+        self.grad_enabled = bool(node.args[0])
+
     def _call(self, node: torch.fx.Node) -> None:
         if node.target is operator.getitem:
             self.env[node] = self.env[node.args[0]][node.args[1]]
             return
+        if node.target is torch._C._set_grad_enabled:
+            self._set_grad_enabled(node)
+            return
         if not isinstance(node.target, torch._ops.OpOverload):
             raise TraceError(
                 f"unsupported call {node.target} in the traced function ({_user_frame(node.meta.get('stack_trace'))}); "
-                "fnpipe needs a pure function of tensors: remove torch.no_grad/autocast/hooks from the loss")
+                "fnpipe needs a pure function of tensors: remove autocast and hooks from the loss")
+        if _only_checks(node.target):
+            return
         val = node.meta.get("val")
         multi = isinstance(val, (tuple, list))
-        vals = list(val) if multi else [val]
+        nested = tuple(len(x) if isinstance(x, (tuple, list)) else None for x in val) if multi else ()
+        nested = nested if any(n is not None for n in nested) else ()
+        vals = [x for v in val for x in (v if isinstance(v, (tuple, list)) else [v])] if multi else [val]
         outs = tuple(Var(AbstractValue.of(x)) if isinstance(x, torch.Tensor) else None for x in vals)
         if not multi and outs[0] is None:
             raise TraceError(f"{node.target} returns {type(val).__name__}: only tensor-valued ops are supported")
         eqn = Eqn(str(node.target), self._arg(tuple(node.args)),
                   tuple((k, self._arg(v)) for k, v in node.kwargs.items()), outs, multi,
-                  source=_user_frame(node.meta.get("stack_trace")))
+                  source=_user_frame(node.meta.get("stack_trace")), nested=nested)
         self.eqns.append(eqn)
-        self.env[node] = list(outs) if multi else outs[0]
+        if not self.grad_enabled or any(isinstance(x, torch.Tensor) and x.is_inference() for x in vals):
+            self.frozen.append(eqn)
+        self.env[node] = _regroup(outs, nested) if multi else outs[0]
 
     def _output(self, node: torch.fx.Node) -> None:
         flat = pytree.tree_leaves(self._arg(node.args[0]))

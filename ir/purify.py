@@ -27,6 +27,11 @@ def is_view(op: torch._ops.OpOverload) -> bool:
     return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
 
 
+class NeedsFunctionalization(TraceError):
+    """An in-place op this pass cannot rewrite alone (a write through a view, an op with no out-of-place
+    twin): `ir.trace` then traces the function through PyTorch's functionalization."""
+
+
 def _functional_variant(op: torch._ops.OpOverload, where: str) -> str:
     name, overload = op._schema.name.split("::")[1], op._overloadname
     base = name[:-1] if name.endswith("_") else None
@@ -34,7 +39,7 @@ def _functional_variant(op: torch._ops.OpOverload, where: str) -> str:
         packet = getattr(torch.ops.aten, base, None)
         if packet is not None and overload in packet.overloads():
             return f"aten.{base}.{overload}"
-    raise TraceError(f"in-place op {op} has no out-of-place form that fnpipe knows{where}; "
+    raise NeedsFunctionalization(f"in-place op {op} has no out-of-place form that fnpipe knows{where}; "
                      "write it out-of-place (y = f(x) instead of x.f_())")
 
 
@@ -61,7 +66,8 @@ def _check_no_alias_use(g: Graph, start: int, mutated: Var, root: dict[Var, Var]
     for later in g.eqns[start + 1:]:
         for v in later.inputs:
             if v is not mutated and root.get(v, v) is base:
-                raise TraceError(f"in-place {e.op} writes into a tensor whose other views are used later{_where(e)}; "
+                raise NeedsFunctionalization(
+                    f"in-place {e.op} writes into a tensor whose other views are used later{_where(e)}; "
                                  "build the value out-of-place (torch.cat, torch.where, index_put)")
 
 
@@ -82,7 +88,7 @@ def remove_mutation(g: Graph) -> Graph:
             raise ImpureError("rng", e.op, at=e.source)
         target = e.args[pos[0]] if pos[0] < len(e.args) else None
         if len(pos) != 1 or not isinstance(target, Var):
-            raise TraceError(f"op {e.op} mutates {len(pos)} arguments{_where(e)}; write it out-of-place")
+            raise NeedsFunctionalization(f"op {e.op} mutates {len(pos)} arguments{_where(e)}; write it out-of-place")
         base = root.get(target, target)
         if base in names:
             raise ImpureError("write", e.op, names[base], e.source)
@@ -94,8 +100,9 @@ def remove_mutation(g: Graph) -> Graph:
 
 
 def _eval_dropout(e: Eqn) -> bool:
+    """Dropout that is the identity: eval mode, or p = 0 in train mode (`F.dropout(x, p=0.0, training=True)`)."""
     return e.op in ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default") and \
-        _arg(e, 2, "train", True) is False
+        (_arg(e, 2, "train", True) is False or _arg(e, 1, "p", 0.5) == 0)
 
 
 def _arg(e: Eqn, pos: int, name: str, default: object) -> object:

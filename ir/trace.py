@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
@@ -15,9 +14,11 @@ from torch.utils import _pytree as pytree
 
 from .core import Graph
 from .errors import TraceError
+from .functional import exporting, free_layouts, functionalized
 from .fx_import import FxImporter
-from .purify import reject_rng, remove_mutation
-from .trace_errors import ImpureError, explain, frame_line, locate, not_a_function
+from .grad_mode import stop_gradients
+from .purify import NeedsFunctionalization, reject_rng, remove_mutation
+from .trace_errors import ImpureError, explain, locate, not_a_function, raised_at
 
 # torch logs every failing fake op with a traceback of its own; the TraceError says what it means
 _TORCH_LOGGERS = ("torch._subclasses.fake_tensor",)
@@ -73,7 +74,7 @@ def _fake_leaf(x: Any, mode: FakeTensorMode, device: str | None, name: str) -> F
 
 
 def _user_line(exc: BaseException) -> str:
-    return frame_line(traceback.extract_tb(exc.__traceback__))
+    return raised_at(exc)
 
 
 @contextlib.contextmanager
@@ -89,11 +90,22 @@ def _quiet(names: Sequence[str]) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _make_fx(flat_fn: Callable, leaves: list[FakeTensor]) -> torch.fx.GraphModule:
+def _make_fx(flat_fn: Callable, leaves: list[FakeTensor], names: Sequence[str], functional: bool
+             ) -> torch.fx.GraphModule:
     kwargs: dict[str, Any] = {"tracing_mode": "fake", "pre_dispatch": True}
     if "record_stack_traces" in inspect.signature(make_fx).parameters:
         kwargs["record_stack_traces"] = True
-    return make_fx(flat_fn, **kwargs)(*leaves)
+    gm = make_fx(functionalized(flat_fn, names) if functional else flat_fn, **kwargs)(*leaves)
+    gm.graph.eliminate_dead_code()  # the views functionalization regenerates after a write, unread
+    return gm
+
+
+def _graph(gm: torch.fx.GraphModule, names: Sequence[str], num_params: int, in_tree: Any, out_tree: Any,
+           functional: bool) -> Graph:
+    imp = FxImporter(gm).run()
+    g = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, tuple(names), num_params, in_tree, out_tree)
+    g = stop_gradients(g, imp.frozen)
+    return reject_rng(remove_mutation(free_layouts(g) if functional else g))
 
 
 def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | None = None) -> Graph:
@@ -102,6 +114,11 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
     Leaves may be real tensors, meta tensors, fake tensors or `TensorSpec`s; `device` (default: each
     leaf's own, with meta read as cpu) is the device the graph will run on, so its ops and factory
     calls target it. Attention stays one `scaled_dot_product_attention` op.
+
+    A function whose in-place ops only rewrite fresh values is traced as written (each becomes its
+    out-of-place form); one that writes through a view whose base or other views are read later (slice
+    assignment, `copy_` into a view, T5's `_shift_right`) is traced again through PyTorch's
+    functionalization (ir.functional). Writes into params or batch are refused either way.
     """
     problem = not_a_function(fn, "ir.trace")
     if problem:
@@ -120,20 +137,24 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
         out_tree.append(spec)
         return out
 
-    try:
+    def attempt(functional: bool) -> Graph:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_quiet(_TORCH_LOGGERS))
             stack.enter_context(mode)
-            gm = _make_fx(flat_fn, leaves)
+            stack.enter_context(exporting())
+            gm = _make_fx(flat_fn, leaves, names, functional)
+        return _graph(gm, names, num_params, in_tree, out_tree[-1], functional)
+
+    try:
+        try:
+            return attempt(functional=False)  # the graph as written: in-place ops on fresh values rewritten
+        except NeedsFunctionalization:  # a write through a view: PyTorch's functionalization replays it
+            return attempt(functional=True)
+    except ImpureError as err:  # run the function once more to find the line that drew or wrote
+        with _quiet(_TORCH_LOGGERS), mode:
+            at, op = locate(err.kind, lambda: flat_fn(*leaves), leaves)
+        raise err.located(at, op) from None
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types; explain() tells the causes apart
         raise TraceError(explain(getattr(fn, "__name__", repr(fn)), exc, _user_line(exc))) from exc
-    imp = FxImporter(gm).run()
-    g = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, tuple(names), num_params, in_tree, out_tree[-1])
-    try:
-        return reject_rng(remove_mutation(g))
-    except ImpureError as err:  # run the function once more to find the line that drew or wrote
-        with _quiet(_TORCH_LOGGERS), mode:
-            at = locate(err.kind, lambda: flat_fn(*leaves), leaves)
-        raise err.located(at) from None

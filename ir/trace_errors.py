@@ -20,9 +20,11 @@ _NOT_USER = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__),
 RNG = ("{op} draws from PyTorch's global random state{where}\n"
        "Dropout, DropPath (stochastic depth), torch.rand* and bernoulli_ all do, so the graph would not be a "
        "pure function: every microbatch, rank and replay would draw different numbers.\n"
-       "Fix: pass the randomness in: ir.random.dropout(x, p, key), or a mask `ir.random.uniform(key, shape) "
-       ">= p`, with `key` an int64 tensor in the batch (a new one each step); or switch it off (model.eval(), "
-       "F.dropout(..., training=False), drop_path_rate=0).")
+       "Fix: pass the randomness in. For dropout, run the model under `with ir.keyed_dropout(keys):` with keys = ir.row_keys(seed, "
+       "batch_size) a batch argument (engine.functionalize(model, rng=True) does this), so each row's mask is "
+       "keyed and the pipeline equals one process; for other draws pass the randomness in: a mask "
+       "`ir.random.uniform(key, shape) >= p` with `key` an int64 tensor in the batch; or switch it off "
+       "(model.eval(), F.dropout(..., training=False), drop_path_rate=0).")
 
 INPUT_WRITE = ("{op} mutates input '{name}' in place{where}\n"
                "The loss function must be pure: it is traced once and replayed for every microbatch and rank, "
@@ -55,6 +57,30 @@ NOT_A_FUNCTION = ("{entry} takes a pure function fn(params, *batch) -> loss and 
                   "(leaves named params.<module path> and buffers.<module path>).")
 
 
+MOE = ("This is mixture-of-experts routing: gathering each expert's tokens (top-k with a data-dependent token "
+       "count per expert) cannot be a static pipeline.\n"
+       "Fix: route with fixed shapes: transformers' MoE models run every token's top-k experts on gathered "
+       "weights with `model.set_experts_implementation(\"batched_mm\")` (or from_pretrained(..., "
+       "experts_implementation=\"batched_mm\")); in your own layer run every expert on every token and weight "
+       "by the gates (zero for unselected experts), or use a fixed expert capacity.")
+
+#: words in the failing line's file or function -> what that construct is and its way out
+_CONSTRUCTS = {("moe", "expert"): MOE}
+
+
+def _construct(at: str) -> str | None:
+    low = at.lower()
+    return next((hint for words, hint in _CONSTRUCTS.items() if any(w in low for w in words)), None)
+
+
+def raised_at(exc: BaseException) -> str:
+    """Where tracing raised: the innermost line outside torch and fnpipe, and the user's own line that
+    called it when that one is in a library (transformers' modeling file, called from the loss)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inner, own = frame_line(frames, libraries=True), frame_line(frames)
+    return inner if own in ("", inner) else f"{inner}\n  called from {own}"
+
+
 def _where(at: str) -> str:
     return f"\n  at {at}" if at else ""
 
@@ -68,22 +94,33 @@ class ImpureError(TraceError):
         template = RNG if kind == "rng" else INPUT_WRITE
         super().__init__(template.format(op=op, name=name, where=_where(at)))
 
-    def located(self, at: str) -> ImpureError:
-        return ImpureError(self.kind, self.op, self.name, at) if at else ImpureError(self.kind, self.op, self.name)
+    def located(self, at: str, op: str = "") -> ImpureError:
+        """The same error at source line `at`, naming `op` (the op as the function called it, before
+        functionalization renamed it: `bernoulli_.float` for `bernoulli.p`) when it is that op."""
+        same = op and (self.kind == "write" or _base(op) == _base(self.op))
+        return ImpureError(self.kind, op if same else self.op, self.name, at)
+
+
+def _base(op: str) -> str:
+    parts = op.split(".")
+    return parts[1].rstrip("_") if len(parts) > 2 else op
 
 
 def frame_line(frames: Sequence[traceback.FrameSummary], *, libraries: bool = False) -> str:
     """`file:line in function: code` of the innermost frame outside torch and fnpipe (and, unless
     `libraries`, outside site-packages), or "" when there is none."""
-    for fr in reversed(frames):
-        if fr.filename.startswith(_NOT_USER) or (not libraries and "site-packages" in fr.filename):
+    for fr in reversed(frames):  # `<string>`: code that torch or a library generated
+        if fr.filename.startswith(_NOT_USER) or fr.filename.startswith("<") or \
+                (not libraries and "site-packages" in fr.filename):
             continue
         return f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
     return ""
 
 
 class _Stop(Exception):
-    pass
+    def __init__(self, op: str) -> None:
+        super().__init__(op)
+        self.op = op
 
 
 def _draws(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -107,30 +144,31 @@ class _Finder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.kind == "rng" and _draws(func, args, kwargs):
-            raise _Stop()
+            raise _Stop(str(func))
         if self.kind == "write":
             for i, a in enumerate(func._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write:
                     t = args[i] if i < len(args) else kwargs.get(a.name)
                     if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in self.storages:
-                        raise _Stop()
+                        raise _Stop(str(func))
         return func(*args, **kwargs)
 
 
-def locate(kind: str, run: Callable[[], Any], inputs: Sequence[torch.Tensor]) -> str:
+def locate(kind: str, run: Callable[[], Any], inputs: Sequence[torch.Tensor]) -> tuple[str, str]:
     """Where `run()` (the traced function, on fake inputs, under their fake mode) first draws random
-    numbers or writes into `inputs`: the innermost line outside torch, and the user's own line when
-    that one is in a library (timm's drop_path, called from the loss function)."""
+    numbers or writes into `inputs`, and the op that does: the innermost line outside torch, and the
+    user's own line when that one is in a library (timm's drop_path, called from the loss function);
+    ("", "") when it is not found."""
     try:
         with _Finder(kind, inputs):
             run()
     except _Stop as stop:
         frames = traceback.extract_tb(stop.__traceback__)
         inner, own = frame_line(frames, libraries=True), frame_line(frames)
-        return inner if own in ("", inner) else f"{inner}\n  called from {own}"
+        return (inner if own in ("", inner) else f"{inner}\n  called from {own}"), stop.op
     except Exception:  # noqa: BLE001 -- only a hint: the message stands without a line
-        return ""
-    return ""
+        return "", ""
+    return "", ""
 
 
 def explain(fn_name: str, exc: BaseException, at: str) -> str:
@@ -141,7 +179,9 @@ def explain(fn_name: str, exc: BaseException, at: str) -> str:
     if isinstance(exc, GuardOnDataDependentSymNode):
         return CONTROL_FLOW.format(fn=fn_name, op="a data-dependent value", where=_where(at))
     if isinstance(exc, DynamicOutputShapeException):
-        return DYNAMIC_SHAPE.format(fn=fn_name, op=op, where=_where(at))
+        text = DYNAMIC_SHAPE.format(fn=fn_name, op=op, where=_where(at))
+        construct = _construct(at)
+        return text if construct is None else text.split("\n")[0] + _where(at) + "\n" + construct
     return FUNCTION_RAISED.format(fn=fn_name, kind=type(exc).__name__, text=op, where=_where(at))
 
 

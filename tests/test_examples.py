@@ -46,3 +46,17 @@ def test_resnet_wf_learns_with_batchnorm_in_train_mode_on_two_ranks() -> None:
     assert done is not None, out.stdout[-2000:]
     first, last, accuracy = (float(x) for x in done.groups())
     assert last < 0.85 * first and 0.0 <= accuracy <= 1.0, (first, last, accuracy)
+
+
+@pytest.mark.parametrize("family, dropout", [("llama", "0.0"), ("gpt2", "0.1")])
+def test_hf_llama_learns_with_zb_h1_on_two_ranks(family: str, dropout: str) -> None:
+    """examples/hf_llama.py: a transformers causal LM (keyed dropout for GPT-2) on 2 ranks with zb-h1; the
+    loss falls well below its start."""
+    cmd = [str(ROOT / ".venv/bin/mpirun"), "-n", "2", "--oversubscribe", sys.executable,
+           str(ROOT / "examples/hf_llama.py"), "--family", family, "--dropout", dropout, "--steps", "30"]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "zb-h1: 2 stages on 2 ranks" in out.stdout, out.stdout[-2000:]
+    done = re.search(r"done in [\d.]+ s: loss ([\d.]+) -> ([\d.]+)", out.stdout)
+    assert done is not None, out.stdout[-2000:]
+    assert float(done[2]) < 0.6 * float(done[1]), done[0]

@@ -174,6 +174,8 @@ class Executor:
         pids = [int(r[1:]) for r in ins.reads]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for pid in pids:
+            if pid not in self.grads and pid not in self.params:
+                continue  # an integer leaf the loss never reads: no rank has a grad for it (every rank skips it)
             if pid not in self.grads:
                 self.grads[pid] = torch.zeros_like(self.params[pid])
             by_dtype.setdefault(self.grads[pid].dtype, []).append(pid)

@@ -57,7 +57,8 @@ from .mismatch import (
 from .models import ModelCase
 from .plans import PlanSpec
 
-__all__ = ["STATS", "Checked", "Equivalence", "assert_parallel_equivalent", "format_stats", "in_distributed_job"]
+__all__ = ["STATS", "Checked", "Equivalence", "assert_parallel_equivalent", "format_stats", "in_distributed_job",
+           "reference_grad_and_value"]
 
 
 @attrs.frozen
@@ -209,11 +210,35 @@ def assert_parallel_equivalent(fn: Callable | ModelCase, params: Any = None, *ba
             layout = fixed or spec
             loss_ref, grads_ref, state_ref = stateful.reference(fn, params, batch, layout.microbatches * layout.dp)
         else:
-            grads_ref, loss_ref = torch.func.grad_and_value(fn)(params, *batch)
+            grads_ref, loss_ref = reference_grad_and_value(fn, params, batch)
         check = _Check(fn, params, batch, spec, description, rtol, atol, loss_ref, grads_ref, state_ref)
         if distributed:
             return check.distributed(hook, timeout)
         return check.inprocess(fixed or spec.to_plan(fn, params, *batch), hook, timeout)  # type: ignore[union-attr]
+
+
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def reference_grad_and_value(fn: Callable, params: Any, batch: Sequence[Any]) -> tuple[Any, torch.Tensor]:
+    """`torch.func.grad_and_value(fn)(params, *batch)` over the floating leaves of params only: integer and
+    bool leaves (position ids, masks, integer buffers) cannot require grad, and their grads are None, as the
+    pipelined step returns them."""
+    leaves, tree = pytree.tree_flatten(params)
+    diff = [i for i, x in enumerate(leaves) if _differentiable(x)]
+
+    def of_floats(floats: list[torch.Tensor]) -> torch.Tensor:
+        full = list(leaves)
+        for i, x in zip(diff, floats):
+            full[i] = x
+        return fn(pytree.tree_unflatten(full, tree), *batch)
+
+    grads, loss = torch.func.grad_and_value(of_floats)([leaves[i] for i in diff])
+    out: list[Any] = [None] * len(leaves)
+    for i, g in zip(diff, grads):
+        out[i] = g
+    return pytree.tree_unflatten(out, tree), loss
 
 
 def _as_spec(plan: PlanSpec | Plan | None, schedule: str, stages: int | None, microbatches: int | None,

@@ -13,6 +13,11 @@ on its own): a grad that is zero in exact arithmetic (a bias before a layer norm
 attention over one token) is rounding noise in both runs, and noise far below the model's grad scale
 is not a mismatch. A leaf's reported relative error is `max abs err / (max|expected| + atol / rtol)`, so
 it passes exactly when that is at most `rtol`.
+
+Non-finite values follow `torch.allclose(..., equal_nan=True)`: NaN where the reference has NaN, and an
+infinity where it has the same infinity, are equal; any other pairing with a NaN or an infinity is an
+infinite error. Scales are taken over finite values only. A leaf with no elements always passes (it has
+nothing to differ in), and counts as scale 0.
 """
 from __future__ import annotations
 
@@ -72,26 +77,42 @@ class LeafDiff:
 
 def _diff(name: str, actual: torch.Tensor | None, expected: torch.Tensor, rtol: float, atol: float) -> LeafDiff:
     e = expected.detach().to("cpu", torch.float64).reshape(-1)
-    scale = e.abs().max().item() if e.numel() else 0.0
+    scale = _finite_max(e)
     if actual is None:
         return LeafDiff(name, scale, 1.0 if scale else 0.0, atol, (), (), (), expected.dtype, missing=scale > 0)
     a = actual.detach().to("cpu", torch.float64).reshape(-1)
     if a.shape != e.shape:
         return LeafDiff(name, float("inf"), float("inf"), 0.0, (), (), (), expected.dtype, missing=True)
-    err = (a - e).abs()
-    k = int(err.argmax()) if err.numel() else 0
-    max_abs = err[k].item() if err.numel() else 0.0
+    ref = scale + (atol / rtol if rtol > 0 else 0.0)  # what the tolerance is relative to: rel <= rtol passes
+    if not e.numel():  # an empty leaf has nothing to differ in
+        return LeafDiff(name, 0.0, 0.0, atol + rtol * scale, (), (), (), expected.dtype)
+    err = _errors(a, e)
+    k = int(err.argmax())
+    max_abs = err[k].item()
     idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(k), expected.shape)) if expected.dim() else ()
     lo = max(0, min(k - SHOWN_VALUES // 2, e.numel() - SHOWN_VALUES))
-    ref = scale + (atol / rtol if rtol > 0 else 0.0)  # what the tolerance is relative to: rel <= rtol passes
     return LeafDiff(name, max_abs, max_abs / ref if ref else max_abs, atol + rtol * scale, idx,
                     tuple(e[lo:lo + SHOWN_VALUES].tolist()), tuple(a[lo:lo + SHOWN_VALUES].tolist()), expected.dtype)
+
+
+def _finite_max(e: torch.Tensor) -> float:
+    """The largest finite magnitude (0 for an empty or all-non-finite leaf): the leaf's scale."""
+    finite = e[torch.isfinite(e)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def _errors(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """|a - e| per element, with equal_nan semantics: NaN against NaN and an infinity against the same
+    infinity are no error; NaN against a number, or a number against NaN or an infinity, is an infinite one."""
+    err = (a - e).abs()
+    same = (a == e) | (torch.isnan(a) & torch.isnan(e))
+    return torch.where(same, torch.zeros_like(err), torch.nan_to_num(err, nan=float("inf"), posinf=float("inf")))
 
 
 def compare_leaves(names: Sequence[str], actual: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor], *,
                    rtol: float | None, atol: float | None) -> list[LeafDiff]:
     """One LeafDiff per leaf; `actual[i] is None` means the parallel run gave no grad for leaf i."""
-    scale = max([x.detach().abs().max().item() for x in expected if x.numel()] or [0.0])
+    scale = max([_finite_max(x.detach().to("cpu", torch.float64)) for x in expected] or [0.0])
     out = []
     for name, a, e in zip(names, actual, expected):
         r = default_rtol(e.dtype) if rtol is None else rtol
