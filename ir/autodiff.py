@@ -98,14 +98,28 @@ def _trace_joint_on(g: Graph, diff_in: list[int], diff_out: list[int], device: s
         fake = [torch.empty(v.aval.shape, dtype=v.aval.dtype, device=dev(v)) for v in g.inputs]
         fake += [torch.empty(g.outputs[j].aval.shape, dtype=g.outputs[j].aval.dtype, device=dev(g.outputs[j]))
                  for j in diff_out]
-        # backward formulas write into fresh buffers (the FFTs' and decompositions' `copy_` into a view):
-        # PyTorch's functionalization makes them pure, as the forward's trace is
-        gm = make_fx(torch.func.functionalize(joint), tracing_mode="fake")(*fake)
+        gm = make_fx(joint, tracing_mode="fake")(*fake)
+        if _writes(gm):
+            # backward formulas that write into fresh buffers (the FFTs' and decompositions' `copy_` into a
+            # view): PyTorch's functionalization makes them pure, as the forward's trace is. It runs on the
+            # traced joint, not around autograd: functionalize is a functorch transform, which autograd.grad
+            # (requires_grad_) may not run inside.
+            gm = make_fx(torch.func.functionalize(gm), tracing_mode="fake")(*fake)
         gm.graph.eliminate_dead_code()
     imp = FxImporter(gm).run()
     jg = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, num_params=0)
     jg = _without_detach(jg)
     return remove_mutation(attrs.evolve(jg, input_names=tuple(f"in{i}" for i in range(len(jg.inputs)))))
+
+
+def _writes(gm: torch.fx.GraphModule) -> bool:
+    """Whether a traced graph has an op that writes into one of its arguments."""
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and any(
+                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return True
+    return False
 
 
 def _without_detach(g: Graph) -> Graph:
