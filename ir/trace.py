@@ -19,6 +19,7 @@ from .functional import exporting, free_layouts, functionalized
 from .fx_import import FxImporter
 from .grad_mode import stop_gradients
 from .purify import NeedsFunctionalization, reject_rng, remove_mutation
+from .static_index import static_mask_indices
 from .trace_errors import ImpureError, explain, frame_line, locate, not_a_function
 
 # torch logs every failing fake op with a traceback of its own; the TraceError says what it means
@@ -105,7 +106,7 @@ def _graph(gm: torch.fx.GraphModule, names: Sequence[str], num_params: int, in_t
            functional: bool) -> Graph:
     imp = FxImporter(gm).run()
     g = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, tuple(names), num_params, in_tree, out_tree)
-    g = stop_gradients(g, imp.frozen)
+    g = static_mask_indices(stop_gradients(g, imp.frozen))
     return reject_rng(remove_mutation(free_layouts(g) if functional else g))
 
 
