@@ -100,7 +100,8 @@ def remove_mutation(g: Graph) -> Graph:
 
 
 def _eval_dropout(e: Eqn) -> bool:
-    return e.op in ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default") and \
+    return e.op in ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default",
+                    "aten.feature_alpha_dropout.default") and \
         _arg(e, 2, "train", True) is False
 
 
