@@ -43,7 +43,7 @@ CHECKS = ("torch_traced", "traced", "evaluated", "torch_grad", "grads")
 # Design refusals: the op may stay refused, with a message naming the fix. Reasons by kind:
 RNG = "draws from the global RNG (pure randomness needs the key as an input: ir.random)"
 RNG_INPLACE = "random in-place op on the global RNG"
-DATA_SHAPE = "output shape depends on the data"
+DATA_SHAPE = "output shape, or a value Python reads, depends on the data (make_fx on fake tensors fails too)"
 BN_STATS = "writes BatchNorm running statistics in train mode"
 SPARSE = "sparse layout"
 
@@ -55,7 +55,8 @@ def _ops_refused() -> dict[str, str]:
            "randint_like", "randint", "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
            "randn", "svd_lowrank", "pca_lowrank", "nn.functional.multi_head_attention_forward"]
     rng_inplace = ["cauchy", "exponential", "geometric", "log_normal", "normal.in_place", "uniform"]
-    shape = ["masked_select", "combinations", "nn.functional.ctc_loss"]
+    shape = ["masked_select", "combinations", "nn.functional.ctc_loss", "linalg.lstsq", "linalg.lstsq.grad_oriented",
+             "corrcoef", "cov", "narrow", "nn.functional.gaussian_nll_loss"]
     out = {n: RNG for n in rng}
     out.update({n: RNG_INPLACE for n in rng_inplace})
     out.update({n: DATA_SHAPE for n in shape})
@@ -72,13 +73,12 @@ REFUSAL_TEXT: dict[str, tuple[str, ...]] = {
     BN_STATS: ("mutates input",), SPARSE: ("Sparse", "sparse")}
 
 # Not design refusals: where fnpipe still differs from eager torch.func.grad, with the cause. Kept honest
-# like REFUSED (an op here that starts passing fails the test). The first four fail in PyTorch's own
+# like REFUSED (an op here that starts passing fails the test). The first three fail in PyTorch's own
 # fake-tensor trace of their gradient too; the last is a bug of fnpipe's.
 GAPS: dict[str, str] = {
     "index_reduce.prod": "the backward reads tensor values (`.item()`): no fake-tensor trace of it exists",
     "scatter_reduce.prod": "the backward reads tensor values (`.item()`): no fake-tensor trace of it exists",
     "index_fill": "the backward takes `unique` of the index: a shape from the data",
-    "narrow": "the sample with a tensor `start` reads its value (`.item()`); make_fx fails on it too",
     "sgn": "the parallel grad comes back on storage that was never allocated (a fake constant in the joint)",
 }
 
