@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .compile import compile_graph
-from .core import Eqn, Graph, Var
+from .core import AbstractValue, Eqn, Graph, Literal, Var
 from .device import available, device_type, retarget
 from .errors import IRError
 from .fx_import import FxImporter
@@ -164,8 +164,12 @@ def _own_grads(jg: Graph, n_outputs: int) -> Graph:
     grad of several inputs (`x + p` of equal shapes: both grads are the cotangent), or an input itself
     (a cotangent passed through); each such grad after the first, and each that is an input, becomes an
     alias (a view: no copy), so every grad has its own slot and a param's is added into its accumulator
-    while an activation's is sent on."""
+    while an activation's is sent on. A constant output (a Literal) becomes a value too (a clone)."""
     outputs, extra, seen = list(jg.outputs), [], set(jg.inputs)
+    for k, v in enumerate(outputs):  # a constant result (a mask the stage hands on) still needs a slot
+        if isinstance(v, Literal) and isinstance(v.value, torch.Tensor):
+            outputs[k] = Var(AbstractValue.of(v.value))
+            extra.append(Eqn("aten.clone.default", (v,), (), (outputs[k],)))
     for k in range(n_outputs, len(outputs)):
         v = outputs[k]
         if isinstance(v, Var) and v in seen:

@@ -17,6 +17,10 @@ as non-strict `torch.export` sets them): libraries take their graph-capture path
 masks, for one, test `padding_mask.all()` in Python unless they see a fake tensor or an export, and a
 functional wrapper hides the fake tensor.
 
+Functionalization writes `x[i] = y` as `copy(x[i], y)`, an op autograd has no derivative for; in a
+pure graph it is `y` broadcast to the view's shape and cast to its dtype, so `free_layouts` writes it
+so (an `expand` and a `_to_copy`), and gradients flow to `y` as they do in eager PyTorch.
+
 A write into an input (params or batch) is not hidden: the function would not be pure, so it is
 refused as `ImpureError("write")` and `ir.trace` points at the line that wrote.
 """
@@ -30,7 +34,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.utils import _pytree as pytree
 
-from .core import Graph
+from .core import AbstractValue, Eqn, Graph, Var
 from .trace_errors import ImpureError
 
 
@@ -64,9 +68,27 @@ def functionalized(fn: Callable[..., Any], names: Sequence[str]) -> Callable[...
 
 
 def free_layouts(g: Graph) -> Graph:
-    """`g` with every `aten.view.default` a `aten.reshape.default` (same values, any input strides)."""
-    eqns = tuple(attrs.evolve(e, op="aten.reshape.default") if e.op == "aten.view.default" else e for e in g.eqns)
-    return attrs.evolve(g, eqns=eqns)
+    """`g` with every `aten.view.default` a `aten.reshape.default` (same values, any input strides), and
+    every functional `aten.copy.default` an expand and a cast of its source (differentiable)."""
+    eqns: list[Eqn] = []
+    for e in g.eqns:
+        if e.op == "aten.view.default":
+            eqns.append(attrs.evolve(e, op="aten.reshape.default"))
+        elif e.op == "aten.copy.default":
+            eqns.extend(_copy_as_cast(e))
+        else:
+            eqns.append(e)
+    return attrs.evolve(g, eqns=tuple(eqns))
+
+
+def _copy_as_cast(e: Eqn) -> list[Eqn]:
+    out = e.outputs[0]
+    assert out is not None
+    src = e.args[1]
+    aval = src.aval if isinstance(src, Var) else AbstractValue.of(src.value)
+    wide = Var(attrs.evolve(aval, shape=out.aval.shape))
+    return [Eqn("aten.expand.default", (src, list(out.aval.shape)), (), (wide,), source=e.source),
+            Eqn("aten._to_copy.default", (wide,), (("dtype", out.aval.dtype),), (out,), source=e.source)]
 
 
 @contextlib.contextmanager

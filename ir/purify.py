@@ -101,7 +101,8 @@ def remove_mutation(g: Graph) -> Graph:
 
 def _eval_dropout(e: Eqn) -> bool:
     """Dropout that is the identity: eval mode, or p = 0 in train mode (`F.dropout(x, p=0.0, training=True)`)."""
-    return e.op in ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default") and \
+    return e.op in ("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default",
+                    "aten.feature_alpha_dropout.default") and \
         (_arg(e, 2, "train", True) is False or _arg(e, 1, "p", 0.5) == 0)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -18,7 +19,14 @@ from .functional import exporting, free_layouts, functionalized
 from .fx_import import FxImporter
 from .grad_mode import stop_gradients
 from .purify import NeedsFunctionalization, reject_rng, remove_mutation
-from .trace_errors import ImpureError, explain, locate, not_a_function, raised_at
+from .static_index import static_mask_indices
+from .trace_errors import (
+    ImpureError,
+    explain,
+    locate,
+    not_a_function,
+    raised_at,
+)
 
 # torch logs every failing fake op with a traceback of its own; the TraceError says what it means
 _TORCH_LOGGERS = ("torch._subclasses.fake_tensor",)
@@ -104,7 +112,7 @@ def _graph(gm: torch.fx.GraphModule, names: Sequence[str], num_params: int, in_t
            functional: bool) -> Graph:
     imp = FxImporter(gm).run()
     g = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, tuple(names), num_params, in_tree, out_tree)
-    g = stop_gradients(g, imp.frozen)
+    g = static_mask_indices(stop_gradients(g, imp.frozen))
     return reject_rng(remove_mutation(free_layouts(g) if functional else g))
 
 

@@ -37,12 +37,13 @@ import ir
 from engine.testing import assert_parallel_equivalent
 
 SAMPLES = 2
+RESULTS: list[OpResult] = []  # what a test run checked, for the coverage table at its end
 CHECKS = ("torch_traced", "traced", "evaluated", "torch_grad", "grads")
 
 # Design refusals: the op may stay refused, with a message naming the fix. Reasons by kind:
 RNG = "draws from the global RNG (pure randomness needs the key as an input: ir.random)"
 RNG_INPLACE = "random in-place op on the global RNG"
-DATA_SHAPE = "output shape depends on the data"
+DATA_SHAPE = "output shape, or a value Python reads, depends on the data (make_fx on fake tensors fails too)"
 BN_STATS = "writes BatchNorm running statistics in train mode"
 SPARSE = "sparse layout"
 
@@ -52,18 +53,37 @@ def _ops_refused() -> dict[str, str]:
            "nn.functional.dropout2d", "nn.functional.dropout3d", "nn.functional.alpha_dropout",
            "nn.functional.feature_alpha_dropout.with_train", "nn.functional.rrelu", "rand_like", "randn_like",
            "randint_like", "randint", "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
-           "randn", "rand", "cauchy", "exponential", "geometric", "log_normal", "uniform", "normal.in_place",
-           "bernoulli_", "nn.functional.multi_head_attention_forward"]
-    shape = ["nonzero", "nonzero_static", "masked_select", "unique", "unique_consecutive", "argwhere",
-             "repeat_interleave", "combinations", "bincount", "histc", "nn.functional.ctc_loss"]
+           "randn", "svd_lowrank", "pca_lowrank", "nn.functional.multi_head_attention_forward"]
+    rng_inplace = ["cauchy", "exponential", "geometric", "log_normal", "normal.in_place", "uniform"]
+    shape = ["masked_select", "combinations", "nn.functional.ctc_loss", "linalg.lstsq", "linalg.lstsq.grad_oriented",
+             "corrcoef", "cov", "narrow", "nn.functional.gaussian_nll_loss"]
     out = {n: RNG for n in rng}
+    out.update({n: RNG_INPLACE for n in rng_inplace})
     out.update({n: DATA_SHAPE for n in shape})
-    out.update({"nn.functional.batch_norm": BN_STATS, "nn.functional.instance_norm": BN_STATS,
-                "to_sparse": SPARSE, "sparse.sampled_addmm": SPARSE, "sparse.mm.reduce": SPARSE})
+    out.update({"_native_batch_norm_legit": BN_STATS, "_batch_norm_with_update": BN_STATS,
+                "sparse.sampled_addmm": SPARSE, "sparse.mm.reduce": SPARSE})
     return out
 
 
 REFUSED: dict[str, str] = _ops_refused()
+# What fnpipe's message for each reason says (a refused op must fail with it, not by accident).
+REFUSAL_TEXT: dict[str, tuple[str, ...]] = {
+    RNG: ("global random state",), RNG_INPLACE: ("global random state",),
+    DATA_SHAPE: ("depends on the data", "reads a tensor's value", "DynamicOutputShape", "DataDependent"),
+    BN_STATS: ("mutates input",), SPARSE: ("Sparse", "sparse")}
+
+# Not design refusals: where fnpipe still differs from eager torch.func.grad, with the cause. Kept honest
+# like REFUSED (an op here that starts passing fails the test). The first three fail in PyTorch's own
+# fake-tensor trace of their gradient too; the last is a bug of fnpipe's.
+GAPS: dict[str, str] = {
+    "index_reduce.prod": "the backward reads tensor values (`.item()`): no fake-tensor trace of it exists",
+    "scatter_reduce.prod": "the backward reads tensor values (`.item()`): no fake-tensor trace of it exists",
+    "index_fill": "the backward takes `unique` of the index: a shape from the data",
+    "sgn": "the parallel grad comes back on storage that was never allocated (a fake constant in the joint)",
+}
+
+# Ops whose output is uninitialised memory: their values are not comparable.
+UNINITIALISED = {"empty_like", "empty", "new_empty", "new_empty_strided", "empty_strided"}
 
 
 def op_name(op: Any) -> str:
@@ -89,8 +109,8 @@ def float64_ops() -> list[Any]:
 
 
 def sample_ops(ops: list[Any], every: int) -> list[Any]:
-    """Every `every`-th op plus every op on the refusal list: a deterministic slice of the database."""
-    return [op for i, op in enumerate(ops) if i % every == 0 or op_name(op) in REFUSED]
+    """Every `every`-th op plus every op on REFUSED and GAPS: a deterministic slice of the database."""
+    return [op for i, op in enumerate(ops) if i % every == 0 or op_name(op) in REFUSED or op_name(op) in GAPS]
 
 
 @attrs.frozen
@@ -182,7 +202,7 @@ def _check(case: Case, result: OpResult) -> None:
     steps: list[tuple[str, Callable[[], Any]]] = [("torch_traced", lambda: _trace_torch(case))]
     graph: list[ir.Graph] = []
     steps.append(("traced", lambda: graph.append(ir.trace(case.fn, case.params, *case.batch))))
-    steps.append(("evaluated", lambda: _assert(_equal(ir.evaluate(graph[0], case.params, *case.batch),
+    steps.append(("evaluated", lambda: None if result.name in UNINITIALISED else _assert(_equal(ir.evaluate(graph[0], case.params, *case.batch),
                                                       case.fn(case.params, *case.batch)), "values differ")))
     if result.autograd:
         steps.append(("torch_grad", lambda: torch.func.grad(case.fn)(case.params, *case.batch)))
@@ -238,12 +258,13 @@ def table(results: list[OpResult]) -> str:
     count = lambda c: sum(r.passed.get(c) is True for r in results)  # noqa: E731
     grad_ops = sum(r.autograd and r.passed.get("torch_traced") is not None for r in results)
     refused = [r for r in results if r.name in REFUSED]
+    known = [r for r in results if r.name in GAPS]
     lines = [f"ops: {len(results)} (float64, CPU, up to {SAMPLES} samples each; {grad_ops} with autograd)",
              "| | fnpipe | PyTorch |", "|---|---|---|",
              f"| traced (ir.trace / make_fx fake) | {count('traced')} | {count('torch_traced')} |",
              f"| evaluated equal | {count('evaluated')} | - |",
              f"| gradients equal across 2 stages | {count('grads')} | {count('torch_grad')} (torch.func.grad) |",
-             f"design refusals in this run: {len(refused)}"]
+             f"design refusals in this run: {len(refused)}; known gaps (GAPS): {len(known)}"]
     return "\n".join(lines)
 
 
