@@ -49,8 +49,9 @@ SPARSE = "sparse layout"
 
 
 def _ops_refused() -> dict[str, str]:
-    rng = ["bernoulli", "multinomial", "normal", "normal.number_mean", "nn.functional.dropout",
-           "nn.functional.dropout2d", "nn.functional.dropout3d", "nn.functional.alpha_dropout",
+    # (nn.functional.dropout, dropout2d/3d and alpha_dropout pass: their samples are the identity, p = 0 or
+    # eval mode; dropout with p > 0 in train mode is keyed (ir.keyed_dropout) or refused, tests/ir/test_ir_dropout.py)
+    rng = ["bernoulli", "multinomial", "normal", "normal.number_mean",
            "nn.functional.feature_alpha_dropout.with_train", "nn.functional.rrelu", "rand_like", "randn_like",
            "randint_like", "randint", "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
            "randn", "svd_lowrank", "pca_lowrank", "nn.functional.multi_head_attention_forward"]
@@ -73,11 +74,10 @@ REFUSAL_TEXT: dict[str, tuple[str, ...]] = {
     BN_STATS: ("mutates input",), SPARSE: ("Sparse", "sparse")}
 
 # Not design refusals: where fnpipe still differs from eager torch.func.grad, with the cause. Kept honest
-# like REFUSED (an op here that starts passing fails the test). The first three fail in PyTorch's own
-# fake-tensor trace of their gradient too; the last is a bug of fnpipe's.
+# like REFUSED (an op here that starts passing fails the test). index_fill fails in PyTorch's own
+# fake-tensor trace of its gradient too; sgn is a bug of fnpipe's. (index_reduce.prod and scatter_reduce.prod
+# pass since the joint is traced through torch.autograd.grad rather than functorch's vjp.)
 GAPS: dict[str, str] = {
-    "index_reduce.prod": "the backward reads tensor values (`.item()`): no fake-tensor trace of it exists",
-    "scatter_reduce.prod": "the backward reads tensor values (`.item()`): no fake-tensor trace of it exists",
     "index_fill": "the backward takes `unique` of the index: a shape from the data",
     "sgn": "the parallel grad comes back on storage that was never allocated (a fake constant in the joint)",
 }
