@@ -212,7 +212,8 @@ def _chain(g: Graph, prod: dict[Var, int], v: Any, f: set[int], done: set[int], 
 
 def _recompute_all(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set[int], set[int]]:
     """Every F equation that B or W depends on is redone in B (W takes what it needs from B)."""
-    needed = {v for v in _reads(g, b | w) if g.producers().get(v) in f}
+    prod = g.producers()
+    needed = {v for v in _reads(g, b | w) if prod.get(v) in f}
     return _ancestors(g, list(needed), set()) & f, set()
 
 
