@@ -39,13 +39,13 @@ def bound(schedule: str, p: int, m: int, *, v: int = 2) -> tuple[float, str]:
         return 1.0, "1 (no pipeline)"
     if schedule in ("1f1b", "gpipe"):
         return m / (m + p - 1), "m/(m+p-1)"
-    if schedule == "interleaved-1f1b":
+    if schedule in ("interleaved-1f1b", "looped-bfs"):
         return v * m / (v * m + p - 1), "vm/(vm+p-1)"
     if schedule == "zb-h1":  # idle (p-1)(F+B-W) = (p-1)F against m(F+B+W) = 3mF of work
         return 3 * m / (3 * m + p - 1), "3m/(3m+p-1)"
     if schedule == "interleaved-zb":  # ZB-H1's idle, shrunk by v stages per rank
         return 3 * v * m / (3 * v * m + p - 1), "3vm/(3vm+p-1)"
-    if schedule == "zbv":
+    if schedule in ("zbv", "dualpipev"):
         return (1.0, "1 (m >= 2p)") if m >= 2 * p else (m / (m + p - 1), "m/(m+p-1) (m < 2p)")
     if schedule == "grad":
         return 1.0, "1 (one GPU)"

@@ -7,6 +7,11 @@
     # one device (any world of 1, or --single): only the one-GPU rows
     PYTHONPATH=. python benchmarks/gpu_pipeline.py --single
 
+    # the schedule library beside PyTorch's same-named schedules (p = 2; 4 with four GPUs), and schedule="auto"
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/gpu_pipeline.py --one-gpu-layers 0 --compilers auto \
+        --schedules 1f1b,looped-bfs,interleaved-zb,zbv,dualpipev,auto --torch-eager 1f1b,looped-bfs,dualpipev \
+        --torch-compiled 1f1b,looped-bfs --torch-risky interleaved-zb,zbv,dualpipev
+
 Per family (`--families gpt,llama`; sizes in benchmarks/families.py: the 1 B GPT, the 0.85 B Llama):
   - PyTorch eager 1F1B, and PyTorch with each block `torch.compile`d (torchtitan's practice) for the
     schedules `--torch-compiled` (1f1b, gpipe, interleaved-1f1b);
@@ -21,6 +26,8 @@ every rank alike, so the command ends in time with the rows that matter most. La
 PyTorch compiled schedules `--torch-risky` (zb-h1, zbv, interleaved-zb: zero-bubble with compiled blocks
 hung on 2 x H200 in issue #15), each under a watchdog of `--risky-timeout` seconds: a hang is recorded in
 the JSON and ends the launch (it is last, so nothing else is lost).
+PyTorch's side (benchmarks/torch_pp_baseline.py, `SCHEDULES`): Schedule1F1B, ScheduleGPipe,
+ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV.
 
 Batch 32 = 8 microbatches of 4. Prints progress, then per family the table and the targets; writes
 `bench_<family>.json` under `--out-dir` (default $OUT, else out/) after every row.
@@ -198,7 +205,7 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
         step = alone_step(b, schedule, compiler=compiler)
     else:
         layout = {"dp": b.args.dp} if b.args.dp > 1 else {}
-        if schedule == "interleaved-1f1b":
+        if schedule in ("interleaved-1f1b", "looped-bfs", "interleaved-zb"):
             layout["stages_per_rank"] = b.args.stages_per_rank
         step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
                                   timeout=b.args.timeout, calibrate=calibration_path(b), compiler=compiler, **layout)

@@ -11,10 +11,12 @@
 #   bash benchmarks/h200_session.sh profile   # 1 GPU: one stage kernel by kernel against torch.func.grad
 #   bash benchmarks/h200_session.sh examples  # 2 GPUs: examples/train_gpt.py under torchrun and mpirun
 #   bash benchmarks/h200_session.sh four      # 4 GPUs: NCCL equivalence, depth 4, then DP2 x PP2
+#   bash benchmarks/h200_session.sh schedlib  # 2 GPUs: the schedule library beside PyTorch's same-named schedules,
+#                                             # schedule="auto", and the dualpipev overlap trace (4 GPUs: P=4 too)
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -61,7 +63,15 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       bench 180 4 29517 --budget 165 --families gpt --dp 2 --calibrate "$cal" --schedules 1f1b,zb-h1 --compilers fx,auto \
         --torch-compiled 1f1b --torch-risky "" --one-gpu-layers 0 --out-dir "$out/dp2"
       ;;
-    *) echo "unknown part $part (two, one, profile, examples or four)"; exit 2 ;;
+    schedlib)  # 2 GPUs (4 when present): the schedule library beside PyTorch's same-named schedules, then the dualpipev trace
+      export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
+      bench 400 2 29521 --budget 370 --families "$families" --calibrate "$cal" --one-gpu-layers 0 --timeout 240 \
+        --compilers auto --schedules 1f1b,looped-bfs,interleaved-zb,zbv,dualpipev,auto \
+        --torch-eager 1f1b,looped-bfs,dualpipev --torch-compiled 1f1b,looped-bfs --torch-risky interleaved-zb,zbv,dualpipev \
+        --risky-timeout 60 --out-dir "$out/schedlib"
+      OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
+      ;;
+    *) echo "unknown part $part (two, one, profile, examples, four or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"

@@ -51,9 +51,10 @@ from examples.gpt_model import GPTConfig
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved-1f1b": "ScheduleInterleaved1F1B",
              "zb-h1": "ScheduleInterleavedZeroBubble", "interleaved-zb": "ScheduleInterleavedZeroBubble",
-             "zbv": "ScheduleZBVZeroBubble"}
+             "zbv": "ScheduleZBVZeroBubble", "looped-bfs": "ScheduleLoopedBFS", "dualpipev": "ScheduleDualPipeV"}
+V_SHAPED = {"zbv", "dualpipev"}  # two stages per rank in a V
 SINGLE_STAGE = {"1f1b", "gpipe"}  # PipelineScheduleSingle: built on one stage, not a list of them
-SPLIT_BACKWARD = {"zb-h1", "interleaved-zb", "zbv"}  # weight grads by autograd.grad: DDP's hooks never run
+SPLIT_BACKWARD = {"zb-h1", "interleaved-zb", "zbv", "dualpipev"}  # weight grads by autograd.grad: DDP's hooks never run
 
 
 class Block(nn.Module):
@@ -150,13 +151,13 @@ def even_split(n_layers: int, num_stages: int, first_blocks: int | None = None) 
 
 
 def stages_per_rank(schedule: str, v: int) -> int:
-    """Stages each rank holds: 1 for 1f1b / gpipe / zb-h1, 2 for zbv, `v` for the interleaved schedules."""
-    return {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zbv": 2}.get(schedule, v)
+    """Stages each rank holds: 1 for 1f1b / gpipe / zb-h1, 2 for zbv and dualpipev, `v` for the looped ones."""
+    return {"1f1b": 1, "gpipe": 1, "zb-h1": 1, "zbv": 2, "dualpipev": 2}.get(schedule, v)
 
 
 def stage_indices(schedule: str, position: int, p: int, v: int) -> list[int]:
-    """The stages at pipeline position `position` of `p`: a V for zbv, looped (q, q+p, ...) otherwise."""
-    if schedule == "zbv":
+    """The stages at pipeline position `position` of `p`: a V for zbv and dualpipev, looped (q, q+p, ...) otherwise."""
+    if schedule in V_SHAPED:
         return [position, 2 * p - 1 - position]
     return [position + k * p for k in range(v)]
 

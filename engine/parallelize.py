@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+import ir
 
 from .errors import PlanError, require_function
 from .execution import launch
@@ -83,7 +85,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 plan_cache: str | os.PathLike | None = None,
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
                 compute_dtype: torch.dtype | None = None, compiler: str = "auto", has_aux: bool = False,
-                check_inputs: str = "first", shard_optimizer: bool | str = False, recipe: Recipe | None = None) -> Step:
+                check_inputs: str = "first", shard_optimizer: bool | str = False, recipe: Recipe | None = None,
+                min_microbatch_size: int | None = None) -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
@@ -93,7 +96,11 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     `has_aux=True` a pair `(loss, aux)`: the step then returns `((loss, aux), grads)`, each aux leaf averaged
     over the microbatches like the loss and given to every rank (README, "The contract"). Each call checks
     this rank's params and batch against the plan (engine.InputError); `check_inputs` ("first", "every",
-    "never") is when the ranks also compare fingerprints of their batch and params.
+    "never") is when the ranks also compare fingerprints of their batch and params. `schedule` is a
+    registered name (`schedules.names()`) or "auto": every built-in planned with the model's costs, the
+    fastest predicted kept (`step.plan.considered` lists them). `min_microbatch_size`
+    (rows) is the smallest microbatch the planner may make (PlanError if the counts given force smaller);
+    None: 16 for BatchNorm in train mode (engine/training/batchnorm.py), 1 otherwise.
     `plan_cache` (a directory, or a .json deployment file) reuses a plan made for the same model,
     world, schedule and options instead of planning again (engine.planning.cache). `calibrate=True` times
     every op of the model once on rank 0's device before splitting, so the split balances measured
@@ -114,7 +121,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     """
     require_function(loss_fn, "engine.parallelize")
     if compute_dtype is not None:
-        loss_fn = mixed_precision(loss_fn, compute_dtype)
+        loss_fn = _mixed(loss_fn, compute_dtype)
     _check_options(compiler, check_inputs)
     build = schedule_builder(schedule)
     recipe = training_recipe(recipe, shard_optimizer)
@@ -126,10 +133,12 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                            stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
                            recompute=recompute, has_aux=has_aux, fused_recompute=compiler == "inductor",
+                           min_microbatch_size=min_microbatch_size,
                            **({"recipe": recipe} if recipe else {})))
     use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
+    step.forward = getattr(loss_fn, "forward", None)  # engine.functionalize's eval-mode forward (step.evaluate)
     return _checked(step, planned.entry)
 
 
@@ -142,6 +151,18 @@ def training_recipe(recipe: Recipe | None, shard_optimizer: bool | str) -> Recip
         raise PlanError(f"shard_optimizer={shard_optimizer!r} but recipe.shard_optimizer="
                         f"{recipe.shard_optimizer!r}; give it once, in the recipe")
     return recipe
+
+
+def _mixed(fn: Callable, dtype: torch.dtype) -> Callable:
+    """`mixed_precision(fn)`, keeping what the function carries: a deferred aux's halves (BatchNorm's running
+    statistics: the microbatch half runs in `dtype`, the finish as it is) and its eval-mode forward."""
+    halves = ir.deferred_of(fn)
+    out = mixed_precision(fn, dtype) if halves is None else ir.deferred(
+        mixed_precision(halves.local, dtype), halves.finish, name=getattr(fn, "__name__", None),
+        min_microbatch=halves.min_microbatch, why=halves.why)
+    if getattr(fn, "forward", None) is not None:
+        out.forward = fn.forward  # type: ignore[attr-defined]
+    return out
 
 
 def _checked(step: Step, entry: plancache.CachedPlan | None) -> Step:

@@ -6,6 +6,7 @@ from .autodiff import Part, StageAD, recomputable, stage_autodiff
 from .check import check
 from .compile import compile_graph, to_fx
 from .core import AbstractValue, Eqn, Graph, Literal, Var
+from .deferred import Deferred, deferred, deferred_of
 from .costs import EqnCost, eqn_cost, format_costs, graph_costs
 from .errors import IRError, TraceError
 from .evaluate import evaluate, interpret
@@ -16,7 +17,7 @@ from .slicing import Stage, slice_graph, split
 from .trace import TensorSpec, trace
 
 __all__ = [
-    "AbstractValue", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
-    "TraceError", "Var", "aux_names", "check", "check_loss", "compile_graph", "eqn_cost", "evaluate", "format_costs", "format_graph",
+    "AbstractValue", "Deferred", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
+    "TraceError", "Var", "aux_names", "check", "check_loss", "compile_graph", "deferred", "deferred_of", "eqn_cost", "evaluate", "format_costs", "format_graph",
     "graph_costs", "interpret", "random", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
 ]

@@ -6,6 +6,7 @@ from typing import Callable
 
 import attrs
 
+from .conv_costs import CONV_RULES, extra_read_bytes
 from .core import Eqn, Graph, Var
 
 FREE = frozenset({  # metadata-only ops: no arithmetic, no memory traffic
@@ -51,11 +52,6 @@ def _linear_flops(e: Eqn) -> int:
     return 2 * e.inputs[0].aval.shape[-1] * math.prod(e.outputs[0].aval.shape)
 
 
-def _conv_flops(e: Eqn) -> int:
-    w = e.inputs[1].aval.shape  # (out, in/groups, *kernel)
-    return 2 * math.prod(e.outputs[0].aval.shape) * math.prod(w[1:])
-
-
 def _attention_flops(e: Eqn) -> int:
     q, k = e.inputs[0].aval.shape, e.inputs[1].aval.shape
     lq, lk, d = q[-2], k[-2], q[-1]
@@ -75,8 +71,7 @@ def _elementwise_flops(e: Eqn) -> int:
 
 FLOP_RULES: dict[str, Callable[[Eqn], int]] = {
     "mm": _matmul_flops, "bmm": _matmul_flops, "matmul": _matmul_flops, "addmm": _addmm_flops,
-    "baddbmm": _addmm_flops, "linear": _linear_flops, "convolution": _conv_flops, "conv2d": _conv_flops,
-    "conv1d": _conv_flops, "_convolution": _conv_flops,
+    "baddbmm": _addmm_flops, "linear": _linear_flops,
     "scaled_dot_product_attention": _attention_flops,
     "_scaled_dot_product_flash_attention": _attention_flops,
     "_scaled_dot_product_efficient_attention": _attention_flops,
@@ -89,6 +84,9 @@ FLOP_RULES: dict[str, Callable[[Eqn], int]] = {
 }
 
 
+FLOP_RULES.update(CONV_RULES)  # convolutions (forward and backward), batch norm, pooling: ir/conv_costs.py
+
+
 def eqn_cost(e: Eqn) -> EqnCost:
     """FLOPs by op rule (matmul 2mnk, attention 4·L²·d per head, else about one per element) and bytes
     as each input read once and each output written once; view-like ops cost nothing."""
@@ -96,7 +94,7 @@ def eqn_cost(e: Eqn) -> EqnCost:
     if base in FREE:
         return EqnCost(0, 0, 0)
     rule = FLOP_RULES.get(base, _elementwise_flops)
-    read = sum(v.aval.nbytes for v in dict.fromkeys(e.inputs))
+    read = sum(v.aval.nbytes for v in dict.fromkeys(e.inputs)) + extra_read_bytes(base, e)
     written = sum(v.aval.nbytes for v in e.out_vars)
     return EqnCost(int(rule(e)), read, written)
 

@@ -17,9 +17,13 @@ from schedules.action import (
     W,
 )
 from schedules.costs import Costs
+from schedules.dualpipev import dualpipev, overlapped_pairs
 from schedules.errors import ScheduleError
 from schedules.gpipe import gpipe
+from schedules.from_costs import build_from_costs
 from schedules.interleaved import interleaved_1f1b
+from schedules.interleaved_zb import interleaved_zb
+from schedules.looped_bfs import looped_bfs
 from schedules.lower import lower
 from schedules.one_f_one_b import one_f_one_b
 from schedules.perfetto import save_perfetto, to_perfetto
@@ -38,7 +42,7 @@ __all__ = [
     "B", "BW", "COMM_KINDS", "COMPUTE_KINDS", "F", "KINDS", "RECV_B", "RECV_F", "SEND_B",
     "SEND_F", "W",
     "Action", "Bar", "Costs", "ScheduleError", "ScheduleFn", "Simulation", "Table", "Timeline",
-    "as_timeline", "get", "gpipe", "interleaved_1f1b", "load_table", "lower", "names",
-    "one_f_one_b", "register", "render_ascii", "save_perfetto", "save_png", "save_table",
+    "as_timeline", "build_from_costs", "dualpipev", "get", "gpipe", "interleaved_1f1b",
+    "interleaved_zb", "load_table", "looped_bfs", "lower", "names", "one_f_one_b", "overlapped_pairs", "register", "render_ascii", "save_perfetto", "save_png", "save_table",
     "simulate", "to_perfetto", "validate", "zb_h1", "zbv",
 ]

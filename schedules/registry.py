@@ -5,9 +5,12 @@ from __future__ import annotations
 import difflib
 from typing import Protocol
 
+from schedules.dualpipev import dualpipev
 from schedules.errors import ScheduleError
 from schedules.gpipe import gpipe
 from schedules.interleaved import interleaved_1f1b
+from schedules.interleaved_zb import interleaved_zb
+from schedules.looped_bfs import looped_bfs
 from schedules.one_f_one_b import one_f_one_b
 from schedules.table import Table
 from schedules.zb_h1 import zb_h1
@@ -26,8 +29,11 @@ _REGISTRY: dict[str, ScheduleFn] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
+    "looped-bfs": looped_bfs,
+    "interleaved-zb": interleaved_zb,
     "zb-h1": zb_h1,
     "zbv": zbv,
+    "dualpipev": dualpipev,
 }
 
 

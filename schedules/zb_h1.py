@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from schedules._params import check_counts, take_options
 from schedules._phased import one_stage_per_rank
+from schedules.from_costs import order_for
 from schedules.table import Table
 
 __all__ = ["zb_h1"]
@@ -15,6 +16,10 @@ def zb_h1(num_stages: int, num_microbatches: int, **options: object) -> Table:
     sooner and the held-back W's fill the cool-down. With F = B = W the idle time is a third of
     1F1B's once m >= p; rank r holds at most p stage-microbatches (live from F until W).
 
+    ``costs=(forward, backward_input, backward_weight[, transfer])`` (a number or one per stage
+    each, or a ``schedules.Costs``) and ``max_live`` (per rank; default: what this order holds)
+    build the order for those times instead (``schedules.from_costs``).
+
     p=4, m=4, F=B=W=1 (``render_ascii``)::
 
        0   1   2   3   4   5   6   7   8   9   10  11  12  13  14
@@ -24,8 +29,9 @@ def zb_h1(num_stages: int, num_microbatches: int, **options: object) -> Table:
     r3 .   .   .   3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 3W1 3W2 3W3
     """
     check_counts("zb-h1", num_stages, num_microbatches)
-    take_options("zb-h1", options, {})
-    return one_stage_per_rank(
+    chosen = take_options("zb-h1", options, {"costs": None, "max_live": None})
+    fixed = one_stage_per_rank(
         num_stages, num_microbatches, warmup=lambda rank: num_stages - 1 - rank,
         weight_lag=lambda rank: rank,
     )
+    return order_for("zb-h1", fixed, chosen)

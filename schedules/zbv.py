@@ -6,6 +6,7 @@ from schedules._greedy import greedy_table
 from schedules._params import check_counts, take_options
 from schedules.action import Action, B, F, W
 from schedules.errors import ScheduleError
+from schedules.from_costs import order_for
 from schedules.table import Table
 
 __all__ = ["zbv"]
@@ -20,7 +21,8 @@ def zbv(num_stages: int, num_microbatches: int, **options: object) -> Table:
     down the ranks and back up, and the loss is on rank 0. Each rank starts its most urgent
     ready action (B first stage, F second stage, B second stage, F first stage, then W), keeping
     at most 2p stage-microbatches live (the memory of 1F1B's rank 0). With F = B = W every rank
-    idles only p-1 time units once m >= 2p, the least possible.
+    idles only p-1 time units once m >= 2p, the least possible. ``costs`` and ``max_live``
+    (default 2p) build the order for other times (``schedules.from_costs``; see ``zb_h1``).
 
     p=2 (4 stages), m=3, F=B=W=1 (``render_ascii``)::
 
@@ -29,7 +31,7 @@ def zbv(num_stages: int, num_microbatches: int, **options: object) -> Table:
     r1 .   1F0 2F0 1F1 2F1 2B0 1B0 1W0 1F2 2B1 1B1 2W0 2F2 1W1 2W1 2B2 1B2 1W2 2W2
     """
     check_counts("zbv", num_stages, num_microbatches)
-    take_options("zbv", options, {})
+    chosen = take_options("zbv", options, {"costs": None, "max_live": None})
     if num_stages % 2:
         raise ScheduleError(
             f"zbv places 2 stages per rank in a V, so num_stages must be even (got {num_stages});"
@@ -41,4 +43,5 @@ def zbv(num_stages: int, num_microbatches: int, **options: object) -> Table:
         return _URGENCY[(action.kind, int(action.stage >= p))], action.microbatch
 
     placement = [s if s < p else num_stages - 1 - s for s in range(num_stages)]
-    return greedy_table(placement, num_microbatches, live_limit=[2 * p] * p, priority=urgency)
+    fixed = greedy_table(placement, num_microbatches, live_limit=[2 * p] * p, priority=urgency)
+    return order_for("zbv", fixed, chosen, default_live=[2 * p] * p)

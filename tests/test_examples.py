@@ -30,3 +30,19 @@ def test_train_gpt_learns_on_two_ranks_under_mpirun(schedule: str) -> None:
     assert done is not None, out.stdout[-2000:]
     first, last = float(done[1]), float(done[2])
     assert first == pytest.approx(losses[0]) and last < 0.8 * first, (first, last)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_resnet_wf_learns_with_batchnorm_in_train_mode_on_two_ranks() -> None:
+    """examples/resnet_wf.py --tiny: a resnet50x1 of stem width 16 on 32x32 images, BatchNorm in train mode,
+    2 pipeline stages under mpirun; the loss falls and evaluation runs on the same plan."""
+    cmd = [str(ROOT / ".venv/bin/mpirun"), "-n", "2", "--oversubscribe", sys.executable,
+           str(ROOT / "examples/resnet_wf.py"), "--tiny", "--steps", "30", "--stages", "2", "--microbatches", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "2 microbatches of 16" in out.stdout, out.stdout[-2000:]
+    done = re.search(r"loss ([\d.]+) -> ([\d.]+) \(mean of the last 5 steps\); eval accuracy ([\d.]+)", out.stdout)
+    assert done is not None, out.stdout[-2000:]
+    first, last, accuracy = (float(x) for x in done.groups())
+    assert last < 0.85 * first and 0.0 <= accuracy <= 1.0, (first, last, accuracy)

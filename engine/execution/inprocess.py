@@ -49,6 +49,12 @@ def steps_of(planned: Planned, *, timeout: float = 30.0, hook: Hook | None = Non
 
 def run_steps(steps: Sequence[Step], params: Any, batch: Sequence[Any]) -> InProcessResult:
     """One step on every rank at once; raises the first rank's error (deadlock, timeout, mismatch)."""
+    return _assemble(steps, run_each(steps, lambda step: step(step.shard(params), *batch)))
+
+
+def run_each(steps: Sequence[Step], work_of: Callable[[Step], Any]) -> list[Any]:
+    """`work_of(step)` on every rank at once (a thread each), each rank's result in rank order; raises the
+    first rank's error (deadlock, timeout, mismatch)."""
     results: list[Any] = [None] * len(steps)
     errors: list[BaseException | None] = [None] * len(steps)
     hub = steps[0].transport.hub  # type: ignore[attr-defined]
@@ -57,7 +63,7 @@ def run_steps(steps: Sequence[Step], params: Any, batch: Sequence[Any]) -> InPro
 
     def work(r: int) -> None:
         try:
-            results[r] = steps[r](steps[r].shard(params), *batch)
+            results[r] = work_of(steps[r])
             hub.exit(r)
         except BaseException as exc:  # noqa: BLE001 -- reported to the caller below
             errors[r] = exc
@@ -72,7 +78,7 @@ def run_steps(steps: Sequence[Step], params: Any, batch: Sequence[Any]) -> InPro
         (e for e in errors if e is not None), None)
     if first is not None:
         raise first
-    return _assemble(steps, results)
+    return results
 
 
 def _assemble(steps: Sequence[Step], results: list[Any]) -> InProcessResult:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 import attrs
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -69,6 +69,8 @@ class Step:
         self.executor = Executor(self.program, self.infos, transport, microbatches=self.plan.microbatches,
                                  dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
         self.closed = False
+        self.forward: Callable | None = None  # the eval function step.evaluate runs by default
+        self.evaluators: dict[Any, Any] = {}  # (eval function, input shapes) -> its forward-only program
         self.has_aux = ir.returns_aux(self.graph)
         self.inputs = Inputs(self.graph, microbatches=self.plan.microbatches, dp=self.plan.dp, holders=self.holders(),
                              local=self.local_params, world=world, check=check_inputs)
@@ -182,7 +184,27 @@ class Step:
         out = [grads.get(pid) if pid in local else None for pid in range(len(leaves))]
         if self.has_aux:
             loss = pytree.tree_unflatten([loss, *self.executor.aux], self.graph.out_tree)
+            if self.planned.finish is not None:  # a deferred aux: finished on the average of every microbatch's part
+                loss = (loss[0], self.planned.finish(loss[1], m * dp))
         return loss, pytree.tree_unflatten(out, tree)
+
+    def evaluate(self, params: Any, *inputs: Any, forward: Callable | None = None, gather: str = "all") -> Any:
+        """The outputs of `forward(params, *inputs)` (default: the eval-mode forward that engine.functionalize
+        attaches to its function) run forward-only on this plan's stages and ranks, without planning again;
+        `gather` "all" (every rank, the full batch) or "local" (the last stage's ranks, their replica's rows;
+        None elsewhere). Every rank must call it (engine/execution/evaluate.py)."""
+        from .evaluate import GATHER, Evaluator
+
+        forward = forward or self.forward
+        if forward is None or gather not in GATHER:
+            raise PlanError("step.evaluate needs an eval function: pass forward=fn(params, *inputs) -> outputs, or "
+                            "parallelize a function made by engine.functionalize (it carries the module's eval-mode "
+                            f"forward)" if forward is None else f"gather must be one of {GATHER}, got {gather!r}")
+        key = (forward, tuple((tuple(x.shape), x.dtype) for x in pytree.tree_leaves(tuple(inputs))))
+        if key not in self.evaluators:
+            self.evaluators[key] = Evaluator(self, forward, params, inputs)
+            self.evaluators[key].verify()
+        return self.evaluators[key](params, inputs, gather)
 
     def gather(self, tree: Any) -> Any:
         """The full tree on rank 0 (each leaf from the first replica's rank that holds it); None elsewhere."""

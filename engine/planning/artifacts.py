@@ -8,7 +8,8 @@ assembles programs from it without tracing or differentiating again.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -81,6 +82,13 @@ class Workshop:
     def __init__(self, fn: Callable, params: Any, batch: Sequence[Any], *, device: str = "cpu",
                  has_aux: bool = False) -> None:
         self.fn, self.params, self.batch, self.device, self.has_aux = fn, params, tuple(batch), device, has_aux
+        parts = ir.deferred_of(fn)  # a deferred aux (BatchNorm's running statistics): trace the microbatch half
+        if parts is not None and not has_aux:
+            raise PlanError(f"{getattr(fn, '__name__', 'loss_fn')} returns (loss, state) (e.g. engine.functionalize "
+                            "of a module with BatchNorm in train mode: the new running statistics); pass has_aux=True, "
+                            "and the step returns ((loss, state), grads)")
+        self.traced = parts.local if parts is not None else fn
+        self.finish = parts.finish if parts is not None else None
         self._graphs: dict[int, ir.Graph] = {}
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike: dict[tuple[Any, ...], ir.StageAD] = {}
@@ -89,7 +97,7 @@ class Workshop:
         """The graph of one microbatch of `size` rows, checked against the loss contract (`ir.check_loss`)."""
         if size not in self._graphs:
             specs = pytree.tree_map(lambda x: microbatch_spec(x, size), self.batch)
-            graph = ir.trace(self.fn, self.params, *specs, device=self.device)
+            graph = ir.trace(self.traced, self.params, *specs, device=self.device)
             self._graphs[size] = ir.check_loss(graph, has_aux=self.has_aux, name=getattr(self.fn, "__name__", "loss_fn"))
         return self._graphs[size]
 
@@ -147,6 +155,7 @@ class Planned:
     graph: ir.Graph
     stages: tuple[StageInfo, ...]
     table: schedules.Table
+    finish: Callable[[Any, int], Any] | None = None  # a deferred aux's second half (ir.deferred), run by the Step
 
     @property
     def num_params(self) -> int:
@@ -199,7 +208,7 @@ def planned_from(plan: Plan, workshop: Workshop, *, table: schedules.Table | Non
         raise PlanError(f"the plan was made for a graph of {plan.num_eqns} equations, this model traces to "
                         f"{len(graph.eqns)} at microbatch size {size}; plan again for this model")
     stages = workshop.stages(size, plan.cuts, plan.recompute, plan.remat)
-    return Planned(plan, graph, stages, table if table is not None else lowered_table(plan))
+    return Planned(plan, graph, stages, table if table is not None else lowered_table(plan), workshop.finish)
 
 
 def microbatch_spec(x: Any, size: int) -> ir.TensorSpec:

@@ -26,7 +26,12 @@ from .op_costs import CostModel
 from .split import BlockCosts, Partition
 from .stage_costs import RecomputeCosts, StageCost, estimate, exact, exact_blocks, schedule_costs, split_recompute, splits_bw
 
-MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": "stages_per_rank", "zbv": None}
+MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": "stages_per_rank", "looped-bfs": "stages_per_rank",
+                         "interleaved-zb": "stages_per_rank", "zbv": None, "dualpipev": None}
+V_SHAPED = ("zbv", "dualpipev")  # exactly two stages per rank
+# the zero-bubble family builds its order from the stages' F, B, W and transfer times (schedules.from_costs)
+FROM_COSTS = ("zb-h1", "zbv", "interleaved-zb", "dualpipev")
+COST_DIGITS = 4  # significant digits of the times handed to the schedule: a readable, stable plan
 INNER_CUT_GAIN = 0.05  # cut inside modules only when that makes the slowest stage 5 % faster
 
 
@@ -47,6 +52,7 @@ class Candidate:
     stage_memory: tuple[float, ...] = ()  # each stage's own peak (what the plan table shows)
     remat: tuple[bool, ...] = ()          # per stage: cheap recomputation (norms, pointwise chains)
     zero: bool = False  # ZeRO-1: optimizer state (and master weights) split over the dp replicas
+    options: tuple[tuple[str, Any], ...] = ()  # the schedule's options (its costs, for the zero-bubble family)
 
 
 class Candidates:
@@ -95,9 +101,16 @@ class Candidates:
         return exact(self.graph(size), cuts, self.model, cache=cache, recompute=recompute,
                      differentiate=self.differentiate(size))
 
-    def table(self, layout: Layout) -> schedules.Table:
+    def table(self, layout: Layout, stages: Sequence[StageCost] | None = None) -> schedules.Table:
+        """The layout's table; with `stages`, the zero-bubble family's order built for their costs."""
         return build_table(self.build, self.schedule, layout.num_stages, layout.microbatches,
-                           schedule_options(self.schedule, layout))
+                           dict(self.options(layout, stages)))
+
+    def options(self, layout: Layout, stages: Sequence[StageCost] | None = None) -> tuple[tuple[str, Any], ...]:
+        chosen = schedule_options(self.schedule, layout)
+        if stages is not None and self.schedule in FROM_COSTS:
+            chosen["costs"] = order_costs(stages, self.model)
+        return tuple(sorted(chosen.items()))
 
     def block_costs(self, blocks: Blocks, time_scale: Sequence[float], saved_scale: Sequence[float]) -> BlockCosts:
         return BlockCosts(
@@ -109,18 +122,24 @@ class Candidates:
 
     def evaluate(self, layout: Layout, stages: tuple[StageCost, ...], table: schedules.Table, *,
                  fine: bool = False, bounds: tuple[int, ...] = ()) -> Candidate:
-        """Simulate `stages` under the layout's schedule; add the dp gradient all-reduce."""
+        """Simulate `stages` under the layout's schedule (the zero-bubble family's order rebuilt for their
+        costs); add the dp gradient all-reduce."""
         memory = self.memory_for(layout)
+        options = self.options(layout, stages)
+        if self.schedule in FROM_COSTS:
+            table = self.table(layout, stages)
         sim = schedules.simulate(table, schedule_costs(stages, table, self.model, memory))
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
         mems = [s.memory(memory, split_bw=splits_bw(table)) for s in stages]
+        # dp: the flat grad all-reduce's copy; with ZeRO-1 the program holds none (the optimizer reduce-scatters)
+        summed = 1 if memory.zero else layout.dp
         peaks = with_allreduce(rank_peaks(table, mems, memory, sim), table, mems,
-                               [s.param_bytes for s in stages], memory, layout.dp)  # dp: the flat grad sum
+                               [s.param_bytes for s in stages], memory, summed)
         return Candidate(layout, fine, bounds, stages, sim.makespan + allreduce, sim.makespan, sim.bubble_fraction,
                          allreduce, peaks, tuple(s.recompute for s in stages),
                          stage_peaks(table, mems, memory, sim), tuple(s.remat for s in stages),
-                         memory.zero and layout.dp > 1)
+                         memory.zero and layout.dp > 1, options)
 
     def split(self, layout: Layout, table: schedules.Table, blocks: Blocks, time_scale: Sequence[float] | None = None,
               saved_scale: Sequence[float] | None = None, budgets: Sequence[float] | None = None
@@ -194,6 +213,19 @@ def _block_label(blocks: Blocks, k: int) -> str:
 def schedule_options(schedule: str, layout: Layout) -> dict[str, Any]:
     key = MULTI_STAGE_SCHEDULES.get(schedule)
     return {key: layout.stages_per_rank} if key else {}
+
+
+def order_costs(stages: Sequence[StageCost], model: CostModel) -> tuple[tuple[float, ...], ...]:
+    """(forward, backward_input, backward_weight, transfer) per stage, in units of the slowest forward, to
+    COST_DIGITS significant digits: plain numbers that JSON keeps exactly, so every rank builds one order."""
+    unit = max(max(s.forward for s in stages), 1e-30)
+
+    def cut(t: float) -> float:
+        return float(f"{t / unit:.{COST_DIGITS}g}")
+
+    return (tuple(cut(s.forward) for s in stages), tuple(cut(s.backward_input) for s in stages),
+            tuple(cut(s.backward_weight) for s in stages),
+            tuple(cut(model.comm_time(s.send_bytes)) for s in stages))
 
 
 def batch_size_of(batch: Sequence[Any]) -> int:

@@ -71,6 +71,10 @@ class Plan:
     recompute: tuple[bool, ...] = attrs.field(
         default=attrs.Factory(lambda self: (False,) * self.num_stages, takes_self=True),
         converter=lambda flags: tuple(bool(f) for f in flags))
+    # schedule="auto": every (schedule, layout) the planner simulated, with its predicted step time in seconds
+    # (inf where it did not fit, with the reason); the chosen one is this plan's schedule and layout
+    considered: tuple[tuple[str, str, float], ...] = attrs.field(default=(), converter=lambda rows: tuple(
+        (str(name), str(layout), float(t)) for name, layout, t in rows))
 
     # per stage: B and W redo norms, copies and pointwise chains instead of F saving them (cheap
     # recomputation: less memory, extra memory-bound kernels); the planner turns it on only where memory needs it
@@ -106,11 +110,16 @@ class Plan:
         d = json.loads(text)
         d["stages"] = tuple(StagePlan(**{**s, "names": tuple(s["names"])}) for s in d["stages"])
         d["cuts"] = tuple(d["cuts"])
-        d["schedule_options"] = tuple(tuple(kv) for kv in d["schedule_options"])
+        d["schedule_options"] = tuple((k, _tupled(v)) for k, v in d["schedule_options"])
         return cls(**d)
 
     def __str__(self) -> str:
         return format_plan(self)
+
+
+def _tupled(value: Any) -> Any:
+    """JSON's lists back as the tuples a plan holds (a schedule's costs are tuples of tuples)."""
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
 _COLUMNS = (("stage", 5), ("rank", 4), ("eqns", 9), ("modules", 26), ("params M", 8), ("GFLOP", 8),
@@ -135,7 +144,7 @@ def format_plan(plan: Plan) -> str:
     """A table of the stages (RaNNC-style log: per stage its equations, modules, size, time, memory and
     traffic per microbatch), then the layout and the predicted step."""
     lines = [_cells(tuple(name for name, _ in _COLUMNS)), *(_cells(_row(s)) for s in plan.stages)]
-    opts = "".join(f", {k}={v}" for k, v in plan.schedule_options)
+    opts = "".join(f", {k}={v}" for k, v in plan.schedule_options if k != "costs")
     limit = nbytes(plan.memory_limit) if plan.memory_limit else "none"
     ranks = ", ".join(nbytes(m) for m in plan.rank_memory) or "-"
     lines += [
@@ -148,10 +157,17 @@ def format_plan(plan: Plan) -> str:
     if plan.shard_optimizer:
         lines.append(f"ZeRO-1: optimizer state split over the dp {plan.dp} replicas of each stage")
     lines += _terms(plan)
+    if dict(plan.schedule_options).get("costs") is not None:
+        lines.append(f"{plan.schedule} order built for the stages' F, B, W and transfer times (schedules.from_costs)")
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
     if any(plan.remat):
         lines.append(f"cheap recomputation (norms, pointwise) on stages {[k for k, r in enumerate(plan.remat) if r]}")
+    if plan.considered:
+        lines.append('schedule="auto" considered (predicted step):')
+        width = max(len(name) for name, _, _ in plan.considered)
+        lines += [f"  {name:<{width}}  {f'{t * 1e3:.2f} ms' if t != float('inf') else '-':>10}  {layout}"
+                  for name, layout, t in plan.considered]
     return "\n".join(lines)
 
 

@@ -15,19 +15,28 @@ forward; with memory to spare no stage recomputes anything.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ir
 import schedules
 
 from ..errors import PlanError, SplitError, require_function
 from ..progress import track
-from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
-from .calibration import Calibration
-from .candidates import MULTI_STAGE_SCHEDULES, Candidate, Candidates, batch_size_of, schedule_options
-from .devices import DeviceProfile, LinkProfile, get_device, get_link
-from .layout import Layout, layouts
 from ..units import nbytes
+from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
+from .auto import AUTO, search_auto
+from .calibration import Calibration
+from .candidates import (
+    MULTI_STAGE_SCHEDULES,
+    V_SHAPED,
+    Candidate,
+    Candidates,
+    batch_size_of,
+)
+from .devices import DeviceProfile, LinkProfile, get_device, get_link
+from .floor import above_floor, floor_of
+from .layout import Layout, layouts
 from .memory import MemoryModel, rank_terms, with_recipe
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
@@ -42,9 +51,9 @@ REFINE_ROUNDS = 4
 
 
 def _stages_per_rank(schedule: str, stages_per_rank: int | None, stages: Any, dp: Any, world_size: int) -> int:
-    if schedule == "zbv":
+    if schedule in V_SHAPED:
         if stages_per_rank not in (None, 2):
-            raise PlanError(f"zbv places exactly 2 stages per rank (a V); got stages_per_rank={stages_per_rank}")
+            raise PlanError(f"{schedule} places exactly 2 stages per rank (a V); got stages_per_rank={stages_per_rank}")
         return 2
     if stages_per_rank is not None:
         if stages_per_rank > 1 and schedule not in MULTI_STAGE_SCHEDULES:
@@ -57,8 +66,11 @@ def _stages_per_rank(schedule: str, stages_per_rank: int | None, stages: Any, dp
     return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
 
 
-def schedule_builder(schedule: str) -> Callable[..., schedules.Table]:
-    """The registered builder of `schedule`, looked up once; PlanError with the registry's closest name."""
+def schedule_builder(schedule: str) -> Callable[..., schedules.Table] | None:
+    """The registered builder of `schedule`, looked up once; PlanError with the registry's closest name.
+    None for "auto" (each candidate's own builder)."""
+    if schedule == AUTO:
+        return None
     try:
         return schedules.get(schedule)
     except (KeyError, ValueError) as err:
@@ -177,9 +189,9 @@ def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequenc
         size = layout.microbatch_size(planner.batch_size)
         try:
             table = planner.table(layout)
+            if _over_without_recompute(planner, layout, table, size, cuts):
+                planner.shard_instead(layout)  # ZeRO-1 "auto" before recomputation: it costs no compute
             cand = _fixed_recompute(planner, layout, table, size, cuts)
-            if max(cand.rank_memory) > planner.limit and planner.shard_instead(layout):  # ZeRO-1 "auto"
-                cand = _fixed_recompute(planner, layout, table, size, cuts)
         except (schedules.ScheduleError, ir.IRError) as err:
             raise PlanError(f"cuts {list(cuts)} with {_describe(layout)}: {err}") from err
         if max(cand.rank_memory) > planner.limit:
@@ -189,6 +201,18 @@ def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequenc
     if best is None:
         raise SplitError("; ".join(reasons))
     return best
+
+
+def _over_without_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
+                            cuts: Sequence[int]) -> bool:
+    """Whether the cuts overflow a rank with no more recomputation than asked (only probed where
+    shard_optimizer="auto" could still shard this layout)."""
+    recipe = planner.memory.recipe
+    if recipe is None or recipe.shard_optimizer != "auto" or layout.dp == 1:
+        return False
+    levels: list[bool | str] = [planner.recompute is True] * layout.num_stages
+    cand = planner.evaluate(layout, planner.exact(size, cuts, levels), table)
+    return max(cand.rank_memory) > planner.limit
 
 
 def _fixed_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
@@ -220,7 +244,7 @@ def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
     return Plan(
         schedule=schedule, num_stages=layout.num_stages, pipeline_depth=layout.pipeline_depth, dp=layout.dp,
         microbatches=layout.microbatches, cuts=tuple(s.start for s in cand.stages[1:]), stages=stages,
-        schedule_options=tuple(sorted(schedule_options(schedule, layout).items())),
+        schedule_options=cand.options or planner.options(layout),
         predicted_step_time=cand.step_time, bubble_fraction=cand.bubble, graph_hash=graph_hash(graph),
         device=planner.model.device.name, memory_limit=int(planner.limit), link=planner.model.link.name,
         microbatch_size=size, num_eqns=len(graph.eqns), allreduce_time=cand.allreduce,
@@ -241,16 +265,26 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
            memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
            recompute: bool | str = "auto", workshop: Workshop | None = None,
            build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
-           fused_recompute: bool = False, recipe: Recipe | None = None) -> Planned:
+           fused_recompute: bool = False, recipe: Recipe | None = None,
+           min_microbatch_size: int | None = None) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them.
     `fused_recompute`: the programs will be compiled by a compiler that fuses pointwise work (inductor), so
     the cheap recomputation costs no extra kernels and every stage takes it (`recompute.settle`)."""
     require_function(fn, "engine.plan")
+    if schedule == AUTO:
+        return search_auto(search, fn, params, *example_batch, world_size=world_size, stages=stages, dp=dp,
+                           microbatches=microbatches, memory_limit=memory_limit, device=device,
+                           stages_per_rank=stages_per_rank, cuts=cuts, link=link, memory_model=memory_model,
+                           calibration=calibration, recompute=recompute, has_aux=has_aux,
+                           fused_recompute=fused_recompute, recipe=recipe, min_microbatch_size=min_microbatch_size,
+                           workshop=workshop or Workshop(fn, params, example_batch, device=get_device(device).kind,
+                                                         has_aux=has_aux))
     profile = get_device(device)
     model = CostModel(profile, get_link(link, profile), calibration)
     build = build or schedule_builder(schedule)
+    assert build is not None
     recompute = recompute_mode(recompute)
     if memory_limit is not None and not memory_limit > 0:
         raise PlanError(f"memory_limit is bytes per rank and must be > 0, got {memory_limit!r}; None means the "
@@ -261,6 +295,8 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
         stages = len(cuts) + 1
     v = _stages_per_rank(schedule, stages_per_rank, stages, dp, world_size)
     candidates = layouts(world_size, batch_size_of(example_batch), v=v, stages=stages, dp=dp, microbatches=microbatches)
+    candidates = above_floor(candidates, batch_size_of(example_batch), *floor_of(fn, min_microbatch_size),
+                             auto=not isinstance(microbatches, int))
     # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
     workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
     memory = with_recipe(memory_model, recipe_of(recipe), params)
@@ -290,9 +326,11 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     name ("h100", "h200", "cpu", "cuda") whose memory is the default `memory_limit` (bytes per rank).
     `recompute` is activation recomputation per stage (F keeps only the stage's outputs, B redoes the
     forward): False never, True on every stage, "auto" only on stages that would not fit memory otherwise
-    (`plan.recompute` says which). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
+    (`plan.recompute` says which). `min_microbatch_size`: no layout splits the batch into microbatches of
+    fewer rows (engine.planning.floor; 16 by default for BatchNorm in train mode). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
-    anything else with ir.TraceError). Other options: `world_size` (1), `schedule` ("1f1b"),
+    anything else with ir.TraceError). `schedule="auto"` plans every built-in schedule and keeps the fastest
+    (engine/planning/auto.py). Other options: `world_size` (1), `schedule` ("1f1b"),
     `stages_per_rank`, `link`, `memory_model`, `calibration`, `recipe` (engine.Recipe: the optimizer,
     master-weight and grad dtypes and ZeRO-1 the memory is planned for; `plan.shard_optimizer` says
     whether ZeRO-1 was chosen, and print(plan) shows each term of the memory per rank). Raises PlanError for counts that do not fit
@@ -311,4 +349,4 @@ def _chosen(planner: Candidates, cand: Candidate) -> Planned:
                            nbytes(p.memory_limit or 0))
     size = p.microbatch_size
     return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute, p.remat),
-                   lowered_table(p, planner.build))
+                   lowered_table(p, planner.build), planner.workshop.finish)

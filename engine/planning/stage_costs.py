@@ -184,16 +184,33 @@ def exact_blocks(graph: ir.Graph, blocks: Blocks, model: CostModel, *, device: s
     costs: dict[str, StageCost] = {}
     per_block = []
     differentiate = differentiate or autodiff_on(device)
-    for stage in ir.split(graph, blocks.bounds[1:-1]):
-        key = str(stage.graph)
+    stages = ir.split(graph, blocks.bounds[1:-1])
+    for stage in stages:
+        key = _core(stage)
         if key not in costs:
             costs[key] = _exact_stage(graph, stage, model, differentiate)
         per_block.append(costs[key])
+    order = list(graph.defined())
+    recv = [sum(order[v].aval.nbytes for v in st.acts_in) for st in stages]  # each block's own, pass-through too
     return attrs.evolve(
         blocks, forward=tuple(c.forward for c in per_block),
         backward_input=tuple(c.backward_input for c in per_block),
         backward_weight=tuple(c.backward_weight for c in per_block),
-        saved=tuple(c.saved_bytes + c.recv_bytes + (c.b_to_w_bytes if split_bw else 0) for c in per_block))
+        saved=tuple(c.saved_bytes + r + (c.b_to_w_bytes if split_bw else 0) for c, r in zip(per_block, recv)))
+
+
+def _core(stage: ir.Stage) -> str:
+    """What a block's F/B/W times depend on: its equations and the values they read and make, without the
+    values that only pass through it (a later stage's skip input, the aux leaves a loss function returns:
+    BatchNorm's statistics from every earlier layer), which would make every block of a model distinct."""
+    g = stage.graph
+    used = {v for e in g.eqns for v in e.inputs}
+    eqns = tuple(e for e in g.eqns if not (e.op == "aten.detach.default" and not set(e.out_vars) & used))
+    read = {v for e in eqns for v in e.inputs}  # a value detached again only to be passed on is not the block's
+    made = {v for e in eqns for v in e.out_vars}
+    core = ir.Graph(tuple(v for v in g.inputs if v in read), eqns, tuple(o for o in g.outputs if o in made),
+                    num_params=sum(1 for v in g.params if v in read))
+    return f"{core}|{stage.is_last}"
 
 
 def splits_bw(table: schedules.Table) -> bool:

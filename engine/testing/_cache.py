@@ -40,7 +40,8 @@ def _avals(tree: Any) -> tuple[Any, ...]:
 def workshop_of(fn: Callable, params: Any, batch: Sequence[Any]) -> Workshop:
     """The CPU Workshop of `fn` on arguments of these shapes and dtypes (`batch`: the full batch), kept
     across checks, so every microbatch size is traced once and every stage differentiated once."""
-    return _WORKSHOPS.get_or((fn, _avals((params, *batch))), lambda: Workshop(fn, params, batch, device="cpu"))
+    return _WORKSHOPS.get_or((fn, _avals((params, *batch))), lambda: Workshop(fn, params, batch, device="cpu",
+                                                                          has_aux=ir.deferred_of(fn) is not None))
 
 
 def graph_of(fn: Callable, params: Any, batch: Sequence[Any], parts: int = 1) -> ir.Graph:

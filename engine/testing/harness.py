@@ -13,6 +13,10 @@ torchrun (torch.distributed initialised, or a launcher's WORLD_SIZE > 1) the rea
     def test_my_model(spec):
         assert_parallel_equivalent(loss_fn, params, x, y, plan=spec)
 
+A function with state (`engine.functionalize` of a module with BatchNorm in train mode, any `ir.deferred`
+function) is checked against its microbatched reference instead (`engine.testing.stateful`): loss and grads
+averaged over the plan's microbatches x dp, and every rank's returned state against the full-step update.
+
 Tolerances are per dtype (see `engine.testing.mismatch`). A failure raises `ParallelMismatch` (an
 AssertionError) reporting the first differing leaf by key path with its errors and values, the model
 description, the plan, the schedule and every rank's program listing.
@@ -22,12 +26,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+import ir
 import schedules
 
 from ..errors import CommTimeoutError
@@ -38,8 +44,16 @@ from ..execution.transport import DeadlockError
 from ..planning.artifacts import lowered_table, planned_from
 from ..planning.candidates import MULTI_STAGE_SCHEDULES
 from ..planning.plan import Plan
+from . import stateful
 from ._cache import graph_of, workshop_of
-from .mismatch import LeafDiff, ParallelDeadlock, ParallelMismatch, compare_leaves, format_failure, headline
+from .mismatch import (
+    LeafDiff,
+    ParallelDeadlock,
+    ParallelMismatch,
+    compare_leaves,
+    format_failure,
+    headline,
+)
 from .models import ModelCase
 from .plans import PlanSpec
 
@@ -190,8 +204,13 @@ def assert_parallel_equivalent(fn: Callable | ModelCase, params: Any = None, *ba
         spec, fixed = _as_spec(plan, schedule, stages, microbatches, dp, stages_per_rank, cuts, batch, distributed,
                                timeout), None
     with contextlib.nullcontext() if distributed else _one_thread_per_rank():
-        grads_ref, loss_ref = torch.func.grad_and_value(fn)(params, *batch)
-        check = _Check(fn, params, batch, spec, description, rtol, atol, loss_ref, grads_ref)
+        state_ref = None
+        if ir.deferred_of(fn) is not None:  # BatchNorm in train mode: the microbatched reference, and its state
+            layout = fixed or spec
+            loss_ref, grads_ref, state_ref = stateful.reference(fn, params, batch, layout.microbatches * layout.dp)
+        else:
+            grads_ref, loss_ref = torch.func.grad_and_value(fn)(params, *batch)
+        check = _Check(fn, params, batch, spec, description, rtol, atol, loss_ref, grads_ref, state_ref)
         if distributed:
             return check.distributed(hook, timeout)
         return check.inprocess(fixed or spec.to_plan(fn, params, *batch), hook, timeout)  # type: ignore[union-attr]
@@ -225,6 +244,7 @@ class _Check:
     atol: float | None
     loss_ref: torch.Tensor
     grads_ref: Any
+    state_ref: Any = None  # a deferred function's expected state (engine.testing.stateful)
 
     def names(self) -> list[str]:
         from ir.trace import key_name
@@ -248,15 +268,16 @@ class _Check:
             raise ParallelMismatch(self.report(f"the parallel run failed: {type(exc).__name__}: {exc}", plan,
                                                programs)) from exc
         actual = pytree.tree_leaves(result.grads, is_leaf=lambda x: x is None)
-        return self.verdict(plan, programs, result.loss, actual, distributed=False)
+        loss, states = result.loss, [aux for (_, aux), _ in result.per_rank] if self.state_ref is not None else []
+        return self.verdict(plan, programs, loss[0] if states else loss, actual, distributed=False, states=states)
 
     def verdict(self, plan: Plan, programs: Sequence[Any], loss: torch.Tensor, actual: Sequence[Any], *,
-                distributed: bool, skip: Sequence[bool] = ()) -> Equivalence:
-        names, expected = self.names(), pytree.tree_leaves(self.grads_ref)
-        keep = [i for i in range(len(expected)) if not (skip and skip[i])]
+                distributed: bool, skip: Sequence[bool] = (), states: Sequence[Any] = ()) -> Equivalence:
+        names, expected = self.names(), pytree.tree_leaves(self.grads_ref, is_leaf=lambda x: x is None)
+        keep = [i for i in range(len(expected)) if not (skip and skip[i]) and expected[i] is not None]
         loss_diff = compare_leaves(["loss"], [loss], [self.loss_ref], rtol=self.rtol, atol=self.atol)[0]
         grads = compare_leaves([names[i] for i in keep], [actual[i] for i in keep], [expected[i] for i in keep],
-                               rtol=self.rtol, atol=self.atol)
+                               rtol=self.rtol, atol=self.atol) + self.state_diffs(states)
         STATS[Checked(plan.schedule, plan.world_size, plan.dp, str(self.loss_ref.dtype).replace("torch.", ""))] += 1
         what = headline(loss_diff, grads)
         message = self.report(what, plan, programs, loss_diff, grads) if what else None
@@ -266,6 +287,15 @@ class _Check:
             raise ParallelMismatch(message)
         worst = max([loss_diff, *grads], key=lambda d: d.rel)
         return Equivalence(plan, float(loss), float(self.loss_ref), worst.rel, worst.name, len(grads), distributed)
+
+    def state_diffs(self, states: Sequence[Any]) -> list[LeafDiff]:
+        """Every rank's returned state (it gets all of it) against the reference state, leaf by leaf."""
+        if self.state_ref is None:
+            return []
+        paths, expected = zip(*pytree.tree_flatten_with_path(self.state_ref)[0])
+        names = [f"rank {r} state{pytree.keystr(p)}" for r in range(len(states)) for p in paths]
+        got = [x for state in states for x in pytree.tree_leaves(state)]
+        return compare_leaves(names, got, list(expected) * len(states), rtol=self.rtol, atol=self.atol)
 
     def distributed(self, hook: Hook | None, timeout: float) -> Equivalence:
         import engine
@@ -279,15 +309,17 @@ class _Check:
         step = engine.parallelize(self.fn, self.params, *self.batch, schedule=spec.schedule,
                                   microbatches=spec.microbatches, stages=spec.stages, dp=spec.dp,
                                   stages_per_rank=spec.stages_per_rank, cuts=cuts, timeout=timeout, hook=hook,
+                                  has_aux=self.state_ref is not None, min_microbatch_size=1,
                                   compiler="fx")  # the pipeline is under test, not inductor: no compile per case
         try:
             loss, grads = step(step.shard(self.params), *self.batch)
+            loss, states = (loss[0], [loss[1]]) if self.state_ref is not None else (loss, [])
         except Exception as exc:
             raise ParallelMismatch(self.report(f"rank {step.world.rank}: the parallel run failed: "
                                                f"{type(exc).__name__}: {exc}", step.plan, step.programs)) from exc
         actual = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
         skip = [pid not in step.local_params for pid in range(len(actual))]
-        return self.verdict(step.plan, step.programs, loss.cpu(), actual, distributed=True, skip=skip)
+        return self.verdict(step.plan, step.programs, loss.cpu(), actual, distributed=True, skip=skip, states=states)
 
 
 def _gather_failure(message: str | None) -> str | None:

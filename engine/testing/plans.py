@@ -117,7 +117,7 @@ class PlanSpec:
         if cuts is None or planner:
             return search(fn, params, *batch, world_size=self.world_size, schedule=self.schedule, stages=self.stages,
                           dp=self.dp, microbatches=self.microbatches, stages_per_rank=self.stages_per_rank,
-                          cuts=cuts or None, workshop=workshop_of(fn, params, batch)).plan
+                          cuts=cuts or None, workshop=workshop_of(fn, params, batch), min_microbatch_size=1).plan
         return _hand_plan(self, graph, cuts, _batch_size(batch) // parts)
 
 
@@ -192,8 +192,9 @@ def plans(draw: Any, world_sizes: Sequence[int] | None = None, schedules: Sequen
           batch_size: int | None = None, num_eqns: int | None = None, cuts: str = "both") -> PlanSpec:
     """Valid `PlanSpec`s: a schedule from `schedules` (default: every registered one, looked up per draw),
     a world size from `world_sizes` (default `default_world_sizes()`), dp from `dps` dividing it, and
-    stages per rank / microbatches the schedule accepts on the remaining pipeline depth: zbv takes 2 stages
-    per rank, interleaved-1f1b 1..max_stages_per_rank with microbatches a multiple of the depth, the others
+    stages per rank / microbatches the schedule accepts on the remaining pipeline depth: zbv and dualpipev (m >= 2p)
+    take 2 stages per rank, interleaved-1f1b (microbatches a multiple of the depth), looped-bfs and interleaved-zb
+    1..max_stages_per_rank, the others
     (and schedules you registered) one; a combination is kept when the schedule function builds a table
     with that many ranks. `batch_size`: keep microbatches x dp dividing it. `num_eqns`: the model's
     equation count (at most that many stages; cuts drawn as equation indices). `cuts`: "drawn" (explicit

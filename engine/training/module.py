@@ -22,10 +22,14 @@ with respect to `variables["params"]`, closing over the buffers.
 `inputs=n` the first n batch arguments go to the module and the rest to `loss`. With `loss=None` the
 module's output is the loss and every batch argument goes to the module.
 
+BatchNorm in train mode is state, as in Flax: `fn` then returns `(loss, {"buffers": new running
+statistics})` (pass has_aux=True to parallelize; merge with `updated(variables, state)`), normalises each
+microbatch with its own batch statistics and updates the running statistics as one full-batch forward
+would, whatever the layout (engine/training/batchnorm.py says exactly how). `fn.forward(variables, *inputs)`
+is the module's eval-mode forward (its outputs, not a loss): what `step.evaluate` runs on the same plan.
+
 What is refused (ModuleError, at `functionalize` time or when the function is first traced/called):
-  - BatchNorm in train mode: it writes running statistics into its buffers (a pure function cannot),
-    and its batch statistics over a microbatch differ from the full batch's, so grads would depend on
-    the microbatch count. Use `model.eval()` for BN layers, GroupNorm/LayerNorm, or compute stats yourself.
+  - Instance norm with track_running_stats in train mode (its running statistics are not supported).
   - Any other in-place write to a buffer (seen through the buffer's version counter).
   - Dropout (or attention dropout) with p > 0 in train mode: PyTorch's dropout reads the global RNG.
     Use p = 0 or eval mode, or `ir.random.dropout(x, p, key)` with the key in the batch. Dropout with
@@ -44,12 +48,14 @@ from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..errors import ModuleError
+from . import batchnorm
+from .batchnorm import updated
+from .forward import eval_forward
 
-__all__ = ["ModuleError", "check_module", "flat_names", "functionalize", "load_into"]
+__all__ = ["ModuleError", "check_module", "flat_names", "functionalize", "load_into", "updated"]
 
-BN_FIX = ("put the BatchNorm layers in eval mode (model.eval() or bn.eval()), or use GroupNorm / LayerNorm: "
-          "a pure pipelined function cannot write running statistics, and batch statistics over a microbatch "
-          "differ from the full batch's")
+BN_FIX = ("put the norm layers in eval mode (model.eval() or bn.eval()), or use BatchNorm / GroupNorm / LayerNorm: "
+          "a pure pipelined function cannot write running statistics; only BatchNorm's are carried as state")
 DROPOUT_FIX = ("use p=0 or eval mode, or ir.random.dropout(x, p, key) with `key` an int64 tensor in the batch: "
                "PyTorch's dropout reads the global random state, which a pipelined pure function cannot")
 
@@ -63,23 +69,29 @@ def functionalize(module: nn.Module, loss: Callable[..., torch.Tensor] | None = 
         raise ModuleError(f"inputs={inputs}: the module needs at least one batch argument")
     check_module(module)
     variables = {"params": _nest(module.named_parameters()), "buffers": _nest(module.named_buffers())}
+    layers = batchnorm.train_layers(module)  # BatchNorm in train mode: its running statistics are state
 
     def fn(variables: dict[str, dict], *batch: Any) -> torch.Tensor:
         params = dict(flat_names(variables["params"]))
         buffers = {k: v.detach() for k, v in flat_names(variables["buffers"])}
         versions = {k: v._version for k, v in buffers.items()}
         args, targets = (batch, ()) if loss is None else (batch[:inputs], batch[inputs:])
-        with _identity_dropouts(module):
+        with _identity_dropouts(module), batchnorm.recording(layers) as stats:
             out = functional_call(module, {**params, **buffers}, tuple(args))
         changed = [k for k, v in buffers.items() if v._version != versions[k]]
         if changed:
             fix = BN_FIX if _has_bn(module) else "compute new tensors instead of writing into buffers"
             raise ModuleError(f"{type(module).__name__} wrote into buffer(s) {changed} in place; a pure "
                               f"function cannot carry that state: {fix}")
-        return out if loss is None else loss(out, *targets)
+        value = out if loss is None else loss(out, *targets)
+        return (value, batchnorm.nest(stats)) if layers else value
 
     fn.__name__ = f"{type(module).__name__}_loss"
     fn.__signature__ = _signature(loss, inputs)  # type: ignore[attr-defined]  # names the batch leaves
+    if layers:  # (loss, partial statistics) per microbatch, finished into running statistics per step
+        fn = batchnorm.stateful(fn, layers, fn.__name__)
+        fn.__signature__ = _signature(loss, inputs)  # type: ignore[attr-defined]
+    fn.forward = eval_forward(module, flat_names)  # type: ignore[attr-defined]  # what step.evaluate runs
     return fn, variables
 
 
@@ -87,7 +99,7 @@ def check_module(module: nn.Module) -> None:
     """Refuse modules that mutate buffers or draw random numbers in their current mode (ModuleError)."""
     for name, m in module.named_modules():
         where = f"'{name}' ({type(m).__name__})" if name else type(m).__name__
-        if isinstance(m, _NormBase) and m.training and (m.track_running_stats or isinstance(m, _BatchNorm)):
+        if isinstance(m, _NormBase) and not isinstance(m, _BatchNorm) and m.training and m.track_running_stats:
             raise ModuleError(f"{where} is in train mode: {BN_FIX}")
         if isinstance(m, _DropoutNd) and m.training and m.p > 0:
             raise ModuleError(f"{where} has dropout p={m.p} in train mode: {DROPOUT_FIX}")

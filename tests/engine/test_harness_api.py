@@ -38,11 +38,12 @@ def test_plans_are_valid_layouts(spec: PlanSpec) -> None:
     assert spec.world_size in (1, 2, 4) and spec.dp in (1, 2) and spec.world_size % spec.dp == 0
     assert 12 % (spec.microbatches * spec.dp) == 0
     p = spec.pipeline_depth
-    if spec.schedule == "zbv":
+    if spec.schedule in ("zbv", "dualpipev"):
         assert spec.stages_per_rank == 2
+        assert spec.schedule == "zbv" or spec.microbatches >= 2 * p  # DeepSeek's order needs m >= 2p
     elif spec.schedule == "interleaved-1f1b":
         assert spec.microbatches % p == 0
-    else:
+    elif spec.schedule not in ("looped-bfs", "interleaved-zb"):
         assert spec.stages_per_rank == 1
     table = schedules.get(spec.schedule)(spec.stages, spec.microbatches, **dict(spec.schedule_options))
     assert table.num_ranks == p and table.num_stages == spec.stages

@@ -91,7 +91,7 @@ def test_interleaved_needs_microbatches_in_groups_of_the_ranks() -> None:
 
 def test_one_stage_per_rank_schedule_refuses_stages_per_rank() -> None:
     with pytest.raises(PlanError, match=r"'1f1b' runs one stage per rank; stages_per_rank=2 needs one of "
-                                        r"\['interleaved-1f1b', 'zbv'\]"):
+                                        r"\['dualpipev', 'interleaved-1f1b', 'interleaved-zb', 'looped-bfs', 'zbv'\]"):
         plan(models.loss_fn, PARAMS, *BATCH, world_size=2, stages=4, stages_per_rank=2)
 
 
@@ -109,7 +109,7 @@ def test_unknown_schedule_suggests_the_closest_name() -> None:
         engine.parallelize(models.loss_fn, PARAMS, *BATCH, schedule="zb-h2", microbatches=4)
     msg = str(caught.value)
     assert "unknown schedule 'zb-h2'" in msg and "did you mean 'zb-h1'?" in msg
-    assert "1f1b, gpipe, interleaved-1f1b, zb-h1, zbv" in msg
+    assert "1f1b, dualpipev, gpipe, interleaved-1f1b, interleaved-zb, looped-bfs, zb-h1, zbv" in msg
     with pytest.raises(PlanError, match=r"unknown schedule '1fb1'.*'1f1b'"):
         plan(models.loss_fn, PARAMS, *BATCH, world_size=2, schedule="1fb1")
 

@@ -66,7 +66,7 @@ SAME: dict[str, tuple[str, str]] = {
                           r"2 stages fits.*: stage 0 needs at least \d+\.\d KiB with 2 microbatches in flight, its limit "
                           r"is 1\.0 KiB; the largest single block \(.*\) needs \d+\.\d KiB alone.*raise memory_limit"),
     # what already worked and must stay
-    "unknown_schedule": ("PlanError", "unknown schedule '1fb1'; known: 1f1b, gpipe, interleaved-1f1b, zb-h1, zbv; did "
+    "unknown_schedule": ("PlanError", "unknown schedule '1fb1'; known: 1f1b, dualpipev, gpipe, interleaved-1f1b, interleaved-zb, looped-bfs, zb-h1, zbv; did "
                          "you mean '1f1b'?"),
     "batch_does_not_split": ("PlanError", "batch size 64 does not split into dp x microbatches equal parts "
                              "(microbatches=5, dp=None, world_size=2); valid microbatch counts: dp 1: [1, 2, 4, 8, 16, "

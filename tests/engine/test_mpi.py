@@ -29,7 +29,7 @@ def test_every_schedule_matches_torch_func_grad_under_mpirun(ranks: int) -> None
     ok = re.findall(r"^OK rank (\d+) (\{.*?\}) (float\d+) max rel err", out, flags=re.M)
     cfgs = equivalence.configs(ranks)
     expected = {(str(r), str(c), d) for r in range(ranks) for c in cfgs for d in ("float64", "float32")}
-    assert len(expected) == ranks * len(cfgs) * 2 == 20 * ranks  # 5 schedules x (dp 1, dp 2) x 2 dtypes
+    assert len(expected) == ranks * len(cfgs) * 2 == 32 * ranks  # 8 schedules x (dp 1, dp 2) x 2 dtypes
     assert "FAIL" not in out, out
     assert len(ok) == len(expected) and set(ok) == expected, f"missing {sorted(expected - set(ok))}:\n{out}"
 

@@ -18,17 +18,19 @@ from tests.mpi import models
 
 PARAMS = models.init_params(layers=4)
 BATCH = models.batch(size=8)
+ALL = ["gpipe", "1f1b", "zb-h1", "zbv", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "dualpipev"]
+TWO_PER_RANK = ("zbv", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "dualpipev")
 
 
 def two_ranks(schedule: str = "1f1b", **kw) -> tuple:
-    stages = 4 if schedule in ("zbv", "interleaved-1f1b") else 2
-    options = (("stages_per_rank", 2),) if schedule == "interleaved-1f1b" else ()
+    stages = 4 if schedule in TWO_PER_RANK else 2
+    options = (("stages_per_rank", 2),) if schedule in ("interleaved-1f1b", "looped-bfs", "interleaved-zb") else ()
     plan = Plan(schedule, stages, 2, 1, 4, tuple(7 * k for k in range(1, stages)),
                 stages=tuple(StagePlan(k, 0, 0, 0) for k in range(stages)), schedule_options=options)
     return build_steps(models.loss_fn, PARAMS, BATCH, plan, **kw)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ALL)
 def test_a_step_leaves_nothing_behind_and_repeats_exactly(schedule: str) -> None:
     steps = two_ranks(schedule)
     for step in steps:  # what parallelize does on GPU before the first step; it must change nothing
@@ -179,7 +181,7 @@ def _one_grad_for_three(p, x):  # type: ignore[no-untyped-def]
     return (h * p["c"]).sum()              # linear after the mean: microbatch means average to the batch's
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "zbv", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ALL)
 def test_one_value_that_is_the_grad_of_an_activation_and_of_params_reaches_each(schedule: str) -> None:
     """When autodiff returns a single value as the grad of a received activation and of two params (and
     the cotangent itself, at a cut right after the adds), every cut still gives torch.func.grad's
@@ -192,7 +194,7 @@ def test_one_value_that_is_the_grad_of_an_activation_and_of_params_reaches_each(
               "b2": torch.randn(6, dtype=torch.float64), "c": torch.randn(6, dtype=torch.float64)}
     x = torch.randn(8, 4, dtype=torch.float64)
     n = len(ir.trace(_one_grad_for_three, params, x[:2]).eqns)
-    stages = 4 if schedule in ("zbv", "interleaved-1f1b") else 2
+    stages = 4 if schedule in TWO_PER_RANK else 2
     for first in range(1, n - stages + 2):
         cuts = list(range(first, first + stages - 1))
         assert_parallel_equivalent(_one_grad_for_three, params, x, schedule=schedule, stages=stages,

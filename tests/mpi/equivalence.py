@@ -27,7 +27,10 @@ def configs(world: int) -> list[dict]:
         p = world // dp
         out += [dict(schedule="gpipe", stages=p, dp=dp), dict(schedule="1f1b", stages=p, dp=dp),
                 dict(schedule="zb-h1", stages=p, dp=dp), dict(schedule="zbv", stages=2 * p, dp=dp),
-                dict(schedule="interleaved-1f1b", stages=2 * p, dp=dp, stages_per_rank=2)]
+                dict(schedule="interleaved-1f1b", stages=2 * p, dp=dp, stages_per_rank=2),
+                dict(schedule="looped-bfs", stages=2 * p, dp=dp, stages_per_rank=2),
+                dict(schedule="interleaved-zb", stages=2 * p, dp=dp, stages_per_rank=2),
+                dict(schedule="dualpipev", stages=2 * p, dp=dp, microbatches=max(4, 2 * p))]  # DeepSeek's: m >= 2p
     return out
 
 
@@ -40,7 +43,7 @@ def check(cfg: dict, dtype: torch.dtype, rank: int) -> str:
     batch = models.batch(size=16)
     ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
     # fx: the runtime over NCCL is under test (compiler="auto" would compile every case with inductor on GPU)
-    step = engine.parallelize(models.loss_fn, params, *batch, microbatches=4, compiler="fx", **cfg)
+    step = engine.parallelize(models.loss_fn, params, *batch, **{"microbatches": 4, "compiler": "fx", **cfg})
     loss, grads = step(step.shard(params), *batch)
     errs = [rel_err(loss.cpu(), ref_loss)]
     names = step.graph.input_names

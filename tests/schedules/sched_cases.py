@@ -22,6 +22,11 @@ def cases(draw: Any, names: tuple[str, ...] | None = None) -> tuple[str, int, in
         v = draw(st.integers(1, 4))
         m = p * draw(st.integers(1, 32 // p))
         return name, p * v, m, {"stages_per_rank": v}
+    if name in ("looped-bfs", "interleaved-zb"):
+        v = draw(st.integers(1, 3))
+        return name, p * v, draw(st.integers(1, 16)), {"stages_per_rank": v}
+    if name == "dualpipev":  # DeepSeek's order pairs microbatches across the V: m >= 2p
+        return name, 2 * p, draw(st.integers(2 * p, max(32, 2 * p))), {}
     m = draw(st.integers(1, 32))
     return name, 2 * p if name == "zbv" else p, m, {}
 

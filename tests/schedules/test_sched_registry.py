@@ -14,20 +14,25 @@ def _private_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_built_in_names() -> None:
-    assert schedules.names() == ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv")
+    assert schedules.names() == ("1f1b", "dualpipev", "gpipe", "interleaved-1f1b", "interleaved-zb",
+                                 "looped-bfs", "zb-h1", "zbv")
+    assert schedules.get("looped-bfs") is schedules.looped_bfs
+    assert schedules.get("interleaved-zb") is schedules.interleaved_zb
+    assert schedules.get("dualpipev") is schedules.dualpipev
     assert schedules.get("1f1b") is schedules.one_f_one_b
     assert schedules.get("interleaved-1f1b") is schedules.interleaved_1f1b
 
 
 @pytest.mark.parametrize(("name", "closest"), [
-    ("1fb1", "1f1b"), ("GPipe", "gpipe"), ("zb_h1", "zb-h1"), ("interleaved", "interleaved-1f1b"),
+    ("1fb1", "1f1b"), ("GPipe", "gpipe"), ("zb_h1", "zb-h1"), ("interleaved", "interleaved-zb"), ("interleaved1f1b", "interleaved-1f1b"),
     ("zb-v", "zbv"),
 ])
 def test_unknown_name_lists_known_and_closest(name: str, closest: str) -> None:
     with pytest.raises(ScheduleError) as caught:
         schedules.get(name)
     assert str(caught.value) == (
-        f"unknown schedule {name!r}; known: 1f1b, gpipe, interleaved-1f1b, zb-h1, zbv; "
+        f"unknown schedule {name!r}; known: 1f1b, dualpipev, gpipe, interleaved-1f1b, interleaved-zb, "
+        f"looped-bfs, zb-h1, zbv; "
         f"did you mean {closest!r}?"
     )
 

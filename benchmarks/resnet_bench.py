@@ -1,0 +1,196 @@
+"""The wide-ResNet rows: fnpipe against PyTorch DDP and torch.distributed.pipelining GPipe, in one launch.
+
+    # GPUs (the lead runs this): 2 x H200, bf16, BatchNorm in train mode
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/resnet_bench.py --model resnet101x4 --batch 128 \
+        --dtype bfloat16 --microbatches 8 --steps 10 [--calibrate] [--compiler inductor] [--json out.json]
+    # CPU, tiny (what tests run): 2 processes over gloo
+    PYTHONPATH=. mpirun -n 2 python benchmarks/resnet_bench.py --tiny --steps 2
+
+Rows (each: images/s, seconds per step (median of --steps after --warmup), peak memory per rank):
+  fnpipe   `engine.parallelize` of `engine.functionalize(model)` (BN in train mode: running statistics as
+           state), 2 stages x dp 1 by default, its predicted step time beside the measured one
+  ddp      DistributedDataParallel, every rank the whole model and 1/world of the batch (BN per rank)
+  gpipe    torch.distributed.pipelining ScheduleGPipe, the model cut by hand into `world` stages at the
+           block boundary nearest half the parameters, the same microbatches as fnpipe
+No optimizer step in any row: forward + backward + grad sync only, the same work in each. Peak memory is
+`torch.cuda.max_memory_allocated` (GPU) or "-" on CPU. Rows run one after the other, each freeing the last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine  # noqa: E402
+from examples.resnet_model import build  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet101x4")
+    ap.add_argument("--tiny", action="store_true", help="resnet50x1 of stem width 4, 32x32, batch 32 (CPU)")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--image", type=int, default=224)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--schedule", default="1f1b", help="fnpipe's schedule")
+    ap.add_argument("--bn", choices=("train", "eval"), default="train")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rows", default="fnpipe,ddp,gpipe")
+    ap.add_argument("--calibrate", action="store_true", help="fnpipe: time every op on the GPU before planning")
+    ap.add_argument("--compiler", default="fx")
+    ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    args = ap.parse_args()
+    if args.tiny:
+        args.model, args.batch, args.image, args.base, args.dtype = "resnet50x1", 32, 32, 4, "float32"
+        args.microbatches = 2
+    else:
+        args.base = 64
+    return args
+
+
+def model_of(args: argparse.Namespace, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    net = build(args.model, classes=1000 if not args.tiny else 10, base=args.base)
+    return net.to(device=device, dtype=getattr(torch, args.dtype)).train(args.bn == "train")
+
+
+def data(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, 3, args.image, args.image, generator=g).to(device, getattr(torch, args.dtype))
+    return x, torch.randint(0, 10 if args.tiny else 1000, (args.batch,), generator=g).to(device)
+
+
+def timed(run: Callable[[], Any], args: argparse.Namespace, device: torch.device) -> tuple[float, float | None]:
+    """Median seconds of `run` over --steps after --warmup, and the peak memory (GiB) on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for k in range(args.warmup + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if k >= args.warmup:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return statistics.median(times), peak
+
+
+def fnpipe_row(args: argparse.Namespace, world: engine.World) -> dict[str, Any]:
+    fn, variables = engine.functionalize(model_of(args, torch.device("cpu")), loss=F.cross_entropy)
+    x, y = data(args, torch.device("cpu"))
+    train = args.bn == "train"
+    step = engine.parallelize(fn, variables, x, y, schedule=args.schedule, microbatches=args.microbatches,
+                              has_aux=train, calibrate=args.calibrate, compiler=args.compiler, min_microbatch_size=1)
+    local = step.shard(variables)
+    seconds, peak = timed(lambda: step(local, x, y), args, world.device)
+    plan = step.plan
+    step.close()
+    return {"row": "fnpipe", "seconds": seconds, "peak_gib": peak, "predicted": plan.predicted_step_time,
+            "layout": f"{plan.schedule} {plan.num_stages} stages x dp {plan.dp}, {plan.microbatches} x "
+                      f"{plan.microbatch_size}", "cuts": list(plan.cuts)}
+
+
+def ddp_row(args: argparse.Namespace, world: engine.World) -> dict[str, Any]:
+    device = world.device
+    net = nn.parallel.DistributedDataParallel(model_of(args, device), device_ids=[device] if device.type == "cuda"
+                                              else None)
+    x, y = data(args, device)
+    share = args.batch // world.size
+    xs, ys = x[world.rank * share:(world.rank + 1) * share], y[world.rank * share:(world.rank + 1) * share]
+
+    def run() -> None:
+        net.zero_grad(set_to_none=True)
+        F.cross_entropy(net(xs), ys).backward()
+
+    seconds, peak = timed(run, args, device)
+    return {"row": "ddp", "seconds": seconds, "peak_gib": peak, "layout": f"dp {world.size}, {share} per rank"}
+
+
+def split_by_params(net: nn.Module, parts: int) -> list[nn.Sequential]:
+    """The model's blocks (stem, each bottleneck, head) cut into `parts` runs of about equal parameters."""
+    blocks: list[nn.Module] = [net.stem, *[b for stage in net.layers for b in stage],
+                               nn.Sequential(net.pool, nn.Flatten(), net.head)]
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total, out, acc, start = sum(sizes), [], 0, 0
+    for i, s in enumerate(sizes):
+        acc += s
+        if len(out) < parts - 1 and acc >= total * (len(out) + 1) / parts:
+            out.append(nn.Sequential(*blocks[start:i + 1]))
+            start = i + 1
+    out.append(nn.Sequential(*blocks[start:]))
+    return out
+
+
+def gpipe_row(args: argparse.Namespace, world: engine.World) -> dict[str, Any]:
+    from torch.distributed import pipelining
+
+    device = world.device
+    part = split_by_params(model_of(args, torch.device("cpu")), world.size)[world.rank].to(device)
+    stage = pipelining.PipelineStage(part, world.rank, world.size, device)
+    schedule = pipelining.ScheduleGPipe(stage, args.microbatches, loss_fn=F.cross_entropy)
+    x, y = data(args, device)
+    first, last = world.rank == 0, world.rank == world.size - 1
+
+    def run() -> None:
+        part.zero_grad(set_to_none=True)
+        if first:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
+
+    seconds, peak = timed(run, args, device)
+    return {"row": "gpipe", "seconds": seconds, "peak_gib": peak,
+            "layout": f"torch.distributed.pipelining GPipe, {world.size} stages, {args.microbatches} microbatches"}
+
+
+ROWS = {"fnpipe": fnpipe_row, "ddp": ddp_row, "gpipe": gpipe_row}
+
+
+def main() -> None:
+    args = parse_args()
+    world = engine.init()
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
+    results = []
+    for name in args.rows.split(","):
+        row = ROWS[name](args, world)
+        peaks = [torch.tensor([-1.0 if row["peak_gib"] is None else row["peak_gib"]])]
+        gathered = [torch.zeros(1) for _ in range(world.size)]
+        dist.all_gather(gathered, peaks[0].to(world.device) if world.device.type == "cuda" else peaks[0])
+        row["peak_gib_per_rank"] = [round(float(t), 2) for t in gathered]
+        row["images_per_s"] = args.batch / row["seconds"]
+        results.append(row)
+        if world.device.type == "cuda":
+            torch.cuda.empty_cache()
+    if world.rank == 0:
+        print(f"{args.model} batch {args.batch} at {args.image}x{args.image}, {args.dtype}, BN in {args.bn} mode, "
+              f"{world.size} ranks ({world.device.type})")
+        for r in results:
+            pred = f", predicted {r['predicted']:.4f} s ({r['predicted'] / r['seconds']:.2f} x measured)" \
+                if "predicted" in r else ""
+            print(f"  {r['row']:7s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
+                  f"{r['peak_gib_per_rank']}{pred}  [{r['layout']}]")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

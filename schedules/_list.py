@@ -1,0 +1,149 @@
+"""List scheduling in continuous time: each idle rank starts its most urgent ready action."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from schedules.action import Action, B, F, W
+from schedules.errors import ScheduleError
+from schedules.table import Table
+
+__all__ = ["Times", "list_schedule"]
+
+# (forward, backward_input, backward_weight) per stage, and the transfer time of each boundary
+Times = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]
+Key = Callable[[str, int, int], tuple[float, ...]]  # (kind, stage, microbatch) -> urgency, lowest first
+Choice = tuple[str, int, int]
+# w_mode -> the rank prefix of (F or B, W) below the live limit, and at it (lowest first)
+_W_RANK: dict[str, tuple[tuple[int, int], tuple[int, int]] | tuple[()]] = {
+    "fill": ((0, 1), (0, 0)), "free": ((0, 1), (1, 0)), "key": (),
+}
+
+
+def list_schedule(
+    stage_to_rank: Sequence[int], num_microbatches: int, times: Times, *,
+    live_limit: Sequence[int], key: Key, w_mode: str = "fill", patience: float = 0.0,
+    reserve: str = "one", lead: Sequence[int] = (), bound: float = float("inf"),
+) -> tuple[Table, float] | None:
+    """The table a greedy list scheduler builds for these times, and its makespan.
+
+    Each stage runs its F, B and W in microbatch order. Whenever a rank is idle it starts, of the
+    actions whose inputs have arrived (a dependency on another rank adds the boundary's transfer
+    time), the one with the lowest ``key``; a forward only while the rank holds fewer than
+    ``live_limit[rank]`` stage-microbatches (live from F's start until W ends), less one for each
+    later stage of the rank (``reserve="one"``: a rank full of microbatches that must come back
+    through it would deadlock), or 2r+1 for each on rank r (``"ramp"``: the warm-up of PyTorch's
+    V and interleaved orders, shorter down the pipeline), or none (``"none"``). With ``patience`` > 0 a rank leaves the best ready action waiting
+    when a more urgent one arrives within ``patience`` times its duration. Weight passes
+    (``w_mode``): "fill" starts one only when no F or B is ready (it fills what would be a
+    bubble) or the rank is at its live limit, then in ``key`` order; "free" likewise, but at the
+    limit before anything (it frees room for the next forward); "key" by ``key`` alone. Rank ``r``
+    Rank ``r`` runs a stage's forwards at most ``lead[r]`` microbatches ahead of its next stage. ``simulate`` gives the
+    table at most this makespan: it starts every action as soon as its rank and inputs allow.
+    None as soon as an action would end after ``bound`` (a search needs only better orders).
+    Raises ScheduleError when the limits leave every rank waiting.
+    """
+    run = _Run(stage_to_rank, num_microbatches, times, live_limit, reserve)
+    run.lead = list(lead) or [num_microbatches] * len(run.stages)
+    while run.remaining:
+        if not run.events:
+            raise ScheduleError(
+                f"no rank can start anything: live_limit {list(live_limit)} is too small for this "
+                "placement; allow more live stage-microbatches per rank")
+        now, r, ends = heapq.heappop(run.events)
+        if ends:
+            run.wake(now)
+        if run.free_at[r] > now:
+            continue
+        best, best_key, coming = run.choose(r, now, key, _W_RANK[w_mode], patience > 0)
+        soonest = min((at for at, _ in coming), default=-1.0)
+        duration = run.duration[best[0]][best[1]] if best is not None else 0.0
+        if best is None or any(at < now + patience * duration and k < best_key for at, k in coming):
+            if soonest >= 0:
+                heapq.heappush(run.events, (soonest, r, False))
+            run.waiting.append(r)  # an input whose producer ends meanwhile may come sooner
+            continue
+        if now + duration > bound:
+            return None
+        run.start(r, now, best)
+    return Table(len(stage_to_rank), num_microbatches, tuple(stage_to_rank), run.rows), run.makespan
+
+
+class _Run:
+    """The state of one list-scheduling run."""
+
+    def __init__(self, stage_to_rank: Sequence[int], m: int, times: Times, live_limit: Sequence[int],
+                 reserve: str) -> None:
+        num_stages, num_ranks = len(stage_to_rank), max(stage_to_rank) + 1
+        self.placement, self.m, self.limit, self.last = stage_to_rank, m, live_limit, num_stages - 1
+        self.stages = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(num_ranks)]
+        scale = {"none": lambda r: 0, "one": lambda r: 1, "ramp": lambda r: 2 * r + 1}[reserve]
+        self.held = [sum(t > s for t in self.stages[stage_to_rank[s]]) * scale(stage_to_rank[s])
+                     for s in range(num_stages)]
+        self.duration = {F: times[0], B: times[1], W: times[2]}
+        self.transfer = [times[3][s] if s < self.last and stage_to_rank[s] != stage_to_rank[s + 1] else 0.0
+                         for s in range(num_stages)]  # no transfer within a rank
+        self.next = {kind: [0] * num_stages for kind in (F, B, W)}
+        self.ended = {kind: [[-1.0] * m for _ in range(num_stages)] for kind in (F, B, W)}
+        self.free_at, self.live = [0.0] * num_ranks, [0] * num_ranks
+        self.lead = [m] * num_ranks
+        self.after = [next((t for t in self.stages[stage_to_rank[s]] if t > s), -1) for s in range(num_stages)]
+        self.rows: list[list[Action]] = [[] for _ in range(num_ranks)]
+        self.events = [(0.0, r, False) for r in range(num_ranks)]  # (time, rank, an action of it ends)
+        self.waiting: list[int] = []
+        self.remaining, self.makespan = 3 * num_stages * m, 0.0
+
+    def wake(self, now: float) -> None:
+        for other in self.waiting:
+            heapq.heappush(self.events, (now, other, False))
+        self.waiting.clear()
+
+    def arrival(self, kind: str, s: int, i: int) -> float:
+        """When the input of (s, kind, i) is there; -1 while its producer has not started."""
+        ended = self.ended
+        if kind == F:
+            if s == 0:
+                return 0.0
+            t = ended[F][s - 1][i]
+            return t + self.transfer[s - 1] if t >= 0 else -1.0
+        if kind == W:
+            return ended[B][s][i]
+        t = ended[F][s][i]
+        if t < 0 or s == self.last:
+            return t
+        up = ended[B][s + 1][i]
+        return max(t, up + self.transfer[s]) if up >= 0 else -1.0
+
+    def choose(self, r: int, now: float, key: Key, w_rank: tuple[tuple[int, int], tuple[int, int]], look: bool
+               ) -> tuple[Choice | None, tuple[float, ...] | None, list[tuple[float, tuple[float, ...]]]]:
+        """The most urgent ready action of rank ``r``, its key, and (arrival, key) of those coming."""
+        best, best_key, coming = None, None, []
+        live, limit = self.live[r], self.limit[r]
+        for s in self.stages[r]:
+            for kind in (F, B, W):
+                i = self.next[kind][s]
+                if i >= self.m or (kind == F and live + self.held[s] >= limit):
+                    continue
+                if kind == F and self.after[s] >= 0 and i - self.next[F][self.after[s]] >= self.lead[r]:
+                    continue
+                at = self.arrival(kind, s, i)
+                if at < 0:
+                    continue
+                k = ((w_rank[live >= limit][kind == W],) if w_rank else ()) + key(kind, s, i)
+                if at > now:
+                    coming.append((at, k if look else ()))
+                elif best_key is None or k < best_key:
+                    best, best_key = (kind, s, i), k
+        return best, best_key, coming
+
+    def start(self, r: int, now: float, choice: Choice) -> None:
+        kind, s, i = choice
+        end = now + self.duration[kind][s]
+        self.ended[kind][s][i], self.free_at[r] = end, end
+        self.next[kind][s] += 1
+        self.live[r] += (kind == F) - (kind == W)
+        self.rows[r].append(Action(s, kind, i))
+        self.remaining -= 1
+        self.makespan = max(self.makespan, end)
+        heapq.heappush(self.events, (end, r, True))
