@@ -13,7 +13,7 @@ stage's outputs and B redoes the forward (activation recomputation).
 """
 from __future__ import annotations
 
-from typing import AbstractSet, Any, Callable, Sequence
+from typing import AbstractSet, Any, Callable, MutableMapping, Sequence
 
 import attrs
 import torch
@@ -159,6 +159,17 @@ def _vjp(run: Callable[..., Any], ins: list[Any], cts: Sequence[Any], diff_in: l
     return (*[o.detach() if isinstance(o, torch.Tensor) else o for o in outs], *grads)
 
 
+def _joint(g: Graph, diff_in: list[int], diff_out: list[int], device: str | None,
+           joints: MutableMapping[Any, Graph] | None) -> Graph:
+    """`_trace_joint`, through the cache `joints` when one is given."""
+    if joints is None:
+        return _trace_joint(g, diff_in, diff_out, device)
+    key = (str(g), tuple(diff_in), tuple(diff_out), device)
+    if key not in joints:
+        joints[key] = _trace_joint(g, diff_in, diff_out, device)
+    return joints[key]
+
+
 def _own_grads(jg: Graph, n_outputs: int) -> Graph:
     """The joint graph with every grad output a value of its own. Autodiff may return one value as the
     grad of several inputs (`x + p` of equal shapes: both grads are the cotangent), or an input itself
@@ -265,7 +276,8 @@ def _chain(g: Graph, prod: dict[Var, int], v: Any, f: set[int], done: set[int], 
 
 def _recompute_all(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set[int], set[int]]:
     """Every F equation that B or W depends on is redone in B (W takes what it needs from B)."""
-    needed = {v for v in _reads(g, b | w) if g.producers().get(v) in f}
+    prod = g.producers()
+    needed = {v for v in _reads(g, b | w) if prod.get(v) in f}
     return _ancestors(g, list(needed), set()) & f, set()
 
 
@@ -335,7 +347,8 @@ def _at_first_use(eqns: Sequence[Eqn], lazy: set[int]) -> tuple[Eqn, ...]:
 
 
 def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: Sequence[int] = (),
-                   device: str | None = None, recompute: bool | str = False) -> StageAD:
+                   device: str | None = None, recompute: bool | str = False,
+                   joints: MutableMapping[Any, Graph] | None = None) -> StageAD:
     """Forward / B / W graphs for a stage graph `g` (see StageAD). B differentiates the non-param
     float inputs except those in `constant` (batch leaves), W the float params (the first
     `g.num_params` inputs). Outputs in `constant_outputs` (a loss function's aux values) are computed by
@@ -351,6 +364,10 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: 
     `recompute="cheap"` redoes only norms, copies and short pointwise chains from operands kept anyway;
     False (the default) saves all B and W read, so the backward runs no extra kernels (see the module
     docstring).
+
+    `joints`: a cache of traced joint graphs, keyed by the stage graph's text and what is differentiated.
+    Tracing the joint is most of the cost, and it is the same at every recompute level (the levels only
+    divide its equations differently), so a planner trying several levels on one stage traces it once.
     """
     level = recompute_level(recompute)
     n_in = len(g.inputs)
@@ -358,7 +375,7 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: 
     diff_in = [i for i, v in enumerate(g.inputs) if _differentiable(v) and i not in skip]
     diff_out = [j for j, v in enumerate(g.outputs) if isinstance(v, Var) and _differentiable(v)
                 and j not in set(constant_outputs)]
-    jg = _own_grads(_trace_joint(g, diff_in, diff_out, device), len(g.outputs))
+    jg = _own_grads(_joint(g, diff_in, diff_out, device, joints), len(g.outputs))
     outs = list(jg.outputs[: len(g.outputs)])
     grads = list(jg.outputs[len(g.outputs):])
     act_grads = [x for i, x in zip(diff_in, grads) if i >= g.num_params]

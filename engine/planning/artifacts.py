@@ -92,6 +92,7 @@ class Workshop:
         self._graphs: dict[int, ir.Graph] = {}
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike: dict[tuple[Any, ...], ir.StageAD] = {}
+        self._joints: dict[Any, ir.Graph] = {}  # traced joints, shared by a stage's recompute levels
 
     def graph(self, size: int) -> ir.Graph:
         """The graph of one microbatch of `size` rows, checked against the loss contract (`ir.check_loss`)."""
@@ -112,7 +113,7 @@ class Workshop:
             alike = (str(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
                      stage.is_last, level)
             if alike not in self._alike:
-                self._alike[alike] = autodiff(stage, level, device=self.device)
+                self._alike[alike] = autodiff(stage, level, device=self.device, joints=self._joints)
             self._ads[key] = self._alike[alike]
         return self._ads[key]
 
@@ -130,13 +131,14 @@ def level_at(recompute: Sequence[bool | str], k: int, remat: Sequence[bool] = ()
     return "cheap" if level is False and k < len(remat) and remat[k] else level
 
 
-def autodiff(stage: ir.Stage, recompute: bool | str = False, *, device: str | None = None) -> ir.StageAD:
+def autodiff(stage: ir.Stage, recompute: bool | str = False, *, device: str | None = None,
+             joints: dict[Any, ir.Graph] | None = None) -> ir.StageAD:
     """`ir.stage_autodiff` of a stage, its params differentiated, its batch leaves and (last stage) the loss
     function's aux outputs constant (`device`: where the programs will run; None, the graph's own)."""
     n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
     aux = range(len(stage.acts_out) + 1, len(stage.graph.outputs)) if stage.is_last else ()
     return ir.stage_autodiff(stage.graph, constant=range(n_params, n_params + n_batch), constant_outputs=aux,
-                             device=device, recompute=recompute)
+                             device=device, recompute=recompute, joints=joints)
 
 
 def stage_programs(graph: ir.Graph, cuts: Sequence[int], recompute: Sequence[bool | str] = (), *,

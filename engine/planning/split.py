@@ -3,14 +3,19 @@
 Stage k takes blocks [b_k, b_{k+1}); its time is its blocks' F+B+W plus sending across both its cuts;
 its peak is its static bytes plus its microbatches in flight (from the schedule) times the activations
 each keeps. `partition` finds the contiguous split whose slowest stage is fastest among those where every
-stage fits its budget, in O(S K^2) for K blocks and S stages, on plain lists: no tracing here.
+stage fits its budget, in O(S K^2) for K blocks and S stages: no tracing here. The splitter's own calls
+(`split_costs`, `stage_costs.split_recompute`) hand it whole K x K grids of stage times and fits per
+stage (`grid=True`), so the O(S K^2) work is numpy's and a search over many layouts of a 128-block
+model takes milliseconds a split, not seconds; the grids hold the very sums the scalar path computes,
+in the same order, so the split found is the same to the bit.
 """
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
+import numpy as np
 
 from ..errors import SplitError
 from ..units import nbytes
@@ -32,13 +37,17 @@ class Partition:
         return len(self.bounds) - 1
 
 
-def partition(num_blocks: int, num_stages: int, cost: Callable[[int, int, int], float],
-              fits: Callable[[int, int, int], bool] | None = None) -> Partition | None:
+def partition(num_blocks: int, num_stages: int, cost: Callable[[int, Any, Any], Any],
+              fits: Callable[[int, Any, Any], Any] | None = None, *, grid: bool = False) -> Partition | None:
     """The split of blocks 0..K-1 into `num_stages` non-empty ranges minimising the largest
-    cost(stage, i, j) of its stages, with fits(stage, i, j) true for every stage; None when none fits."""
+    cost(stage, i, j) of its stages, with fits(stage, i, j) true for every stage; None when none fits.
+    With `grid`, cost and fits take index arrays (i a column, j a row, numpy broadcasting) and return
+    the (K+1) x (K+1) grid of every range's value for that stage at once."""
     k_max, s_max = num_blocks, num_stages
     if s_max < 1 or s_max > k_max:
         return None
+    if grid:
+        return _partition_grid(k_max, s_max, cost, fits)
     inf = float("inf")
     best = [[inf] * (k_max + 1) for _ in range(s_max + 1)]
     arg = [[-1] * (k_max + 1) for _ in range(s_max + 1)]
@@ -51,12 +60,40 @@ def partition(num_blocks: int, num_stages: int, cost: Callable[[int, int, int], 
                 value = max(best[s - 1][i], cost(s - 1, i, j))
                 if value < best[s][j]:
                     best[s][j], arg[s][j] = value, i
-    if best[s_max][k_max] == inf:
+    return _backtrack(best, arg, k_max, s_max)
+
+
+def _partition_grid(k_max: int, s_max: int, cost: Callable[[int, Any, Any], Any],
+                    fits: Callable[[int, Any, Any], Any] | None) -> Partition | None:
+    """`partition` on grids: the same recurrence, one stage at a time; ties go to the smallest i, as there."""
+    inf = float("inf")
+    i_idx, j_idx = np.arange(k_max + 1)[:, None], np.arange(k_max + 1)[None, :]
+    allowed = i_idx < j_idx
+    best = np.full((s_max + 1, k_max + 1), inf)
+    arg = np.full((s_max + 1, k_max + 1), -1, dtype=np.int64)
+    best[0, 0] = -inf
+    for s in range(1, s_max + 1):
+        prev = best[s - 1][:, None]
+        ok = allowed & (prev != inf)
+        if fits is not None:
+            ok &= np.asarray(fits(s - 1, i_idx, j_idx), dtype=bool)
+        value = np.where(ok, np.maximum(prev, np.asarray(cost(s - 1, i_idx, j_idx), dtype=np.float64)), inf)
+        i = np.argmin(value, axis=0)  # the first minimum: the scalar loop's strict < keeps the first too
+        low = value[i, np.arange(k_max + 1)]
+        reach = (low < inf) & (j_idx[0] >= s) & (j_idx[0] <= k_max - (s_max - s))
+        best[s] = np.where(reach, low, inf)
+        arg[s] = np.where(reach, i, -1)
+    return _backtrack(best.tolist(), arg.tolist(), k_max, s_max)
+
+
+def _backtrack(best: Sequence[Sequence[float]], arg: Sequence[Sequence[int]], k_max: int, s_max: int
+               ) -> Partition | None:
+    if best[s_max][k_max] == float("inf"):
         return None
     bounds = [k_max]
     for s in range(s_max, 0, -1):
-        bounds.append(arg[s][bounds[-1]])
-    return Partition(tuple(reversed(bounds)), best[s_max][k_max])
+        bounds.append(int(arg[s][bounds[-1]]))
+    return Partition(tuple(reversed(bounds)), float(best[s_max][k_max]))
 
 
 @attrs.frozen
@@ -71,24 +108,36 @@ class BlockCosts:
     _time_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
     _param_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
     _saved_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
+    _arrays: dict[str, np.ndarray] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         for name, values in (("_time_sum", self.time), ("_param_sum", self.param_bytes), ("_saved_sum", self.saved)):
             object.__setattr__(self, name, tuple(itertools.accumulate(values, initial=0.0)))
+        object.__setattr__(self, "_arrays", {name: np.asarray(getattr(self, name), dtype=np.float64) for name in
+                                             ("_time_sum", "_param_sum", "_saved_sum", "cut_bytes", "cut_time")})
+
+    def sums(self, i: Any) -> Callable[[str], Any]:
+        """The prefix sums and per-bound values by name: tuples for int indices, numpy arrays for index
+        arrays (the grids `partition(grid=True)` takes); either way the same numbers."""
+        if isinstance(i, np.ndarray):
+            return self._arrays.__getitem__
+        return lambda name: getattr(self, name)
 
     @property
     def num_blocks(self) -> int:
         return len(self.time)
 
-    def stage_time(self, i: int, j: int) -> float:
+    def stage_time(self, i: Any, j: Any) -> Any:
         """Seconds per microbatch of a stage of blocks [i, j): compute plus sends over its two cuts."""
-        return self._time_sum[j] - self._time_sum[i] + self.cut_time[i] + self.cut_time[j]
+        at = self.sums(i)
+        t, c = at("_time_sum"), at("cut_time")
+        return t[j] - t[i] + c[i] + c[j]
 
-    def stage_peak(self, i: int, j: int, live: int, memory: MemoryModel) -> float:
+    def stage_peak(self, i: Any, j: Any, live: int, memory: MemoryModel) -> Any:
         """Peak bytes of a stage of blocks [i, j) with `live` microbatches in flight."""
-        m = memory.stage(param_bytes=self._param_sum[j] - self._param_sum[i],
-                         saved_bytes=self._saved_sum[j] - self._saved_sum[i],
-                         recv_bytes=self.cut_bytes[i], send_bytes=self.cut_bytes[j])
+        at = self.sums(i)
+        p, s, cut = at("_param_sum"), at("_saved_sum"), at("cut_bytes")
+        m = memory.stage(param_bytes=p[j] - p[i], saved_bytes=s[j] - s[i], recv_bytes=cut[i], send_bytes=cut[j])
         return memory.peak(m, live)
 
 
@@ -102,7 +151,7 @@ def split_costs(costs: BlockCosts, num_stages: int, *, live: Sequence[int], budg
     def fits(s: int, i: int, j: int) -> bool:
         return costs.stage_peak(i, j, live[s], memory) <= budgets[s]
 
-    found = partition(costs.num_blocks, num_stages, lambda s, i, j: costs.stage_time(i, j), fits)
+    found = partition(costs.num_blocks, num_stages, lambda s, i, j: costs.stage_time(i, j), fits, grid=True)
     if found is None:
         raise SplitError(infeasible_message(costs, num_stages, live=live, budgets=budgets, memory=memory, names=names))
     return found

@@ -13,9 +13,10 @@ stage does not fit without).
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
+import numpy as np
 
 import ir
 import schedules
@@ -258,19 +259,24 @@ class RecomputeCosts:
     _fwd_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
     _param_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
     _saved_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
+    _fwd_array: np.ndarray = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         for name, values in (("_fwd_sum", self.forward), ("_param_sum", self.costs.param_bytes),
                              ("_saved_sum", self.costs.saved)):
             object.__setattr__(self, name, tuple(itertools.accumulate(values, initial=0.0)))
+        object.__setattr__(self, "_fwd_array", np.asarray(self._fwd_sum, dtype=np.float64))
 
-    def time(self, i: int, j: int) -> float:
-        return self.costs.stage_time(i, j) + self._fwd_sum[j] - self._fwd_sum[i]
+    def time(self, i: Any, j: Any) -> Any:
+        """Seconds per microbatch of blocks [i, j) recomputing (index arrays give a grid: `BlockCosts.sums`)."""
+        f = self._fwd_array if isinstance(i, np.ndarray) else self._fwd_sum
+        return self.costs.stage_time(i, j) + f[j] - f[i]
 
-    def peak(self, i: int, j: int, live: int, memory: MemoryModel) -> float:
-        m = memory.stage(param_bytes=self._param_sum[j] - self._param_sum[i], saved_bytes=0,
-                         recv_bytes=self.costs.cut_bytes[i], send_bytes=self.costs.cut_bytes[j],
-                         workspace_bytes=self._saved_sum[j] - self._saved_sum[i])
+    def peak(self, i: Any, j: Any, live: int, memory: MemoryModel) -> Any:
+        at = self.costs.sums(i)
+        p, s, cut = at("_param_sum"), at("_saved_sum"), at("cut_bytes")
+        m = memory.stage(param_bytes=p[j] - p[i], saved_bytes=0, recv_bytes=cut[i], send_bytes=cut[j],
+                         workspace_bytes=s[j] - s[i])
         return memory.peak(m, live)
 
 
@@ -300,20 +306,22 @@ def _partition(rc: RecomputeCosts, num_stages: int, mode: bool | str, live: Sequ
                budgets: Sequence[float], memory: MemoryModel) -> tuple[Partition, tuple[bool, ...]] | None:
     costs = rc.costs
 
-    def plain(s: int, i: int, j: int) -> bool:
-        return mode is not True and costs.stage_peak(i, j, live[s], memory) <= budgets[s]
+    def plain(s: int, i: Any, j: Any) -> Any:  # grids of index arrays (`partition(grid=True)`) or one range
+        if mode is True:
+            return np.zeros(np.broadcast(i, j).shape, dtype=bool) if isinstance(i, np.ndarray) else False
+        return costs.stage_peak(i, j, live[s], memory) <= budgets[s]
 
-    def fits(s: int, i: int, j: int) -> bool:
-        return plain(s, i, j) or rc.peak(i, j, live[s], memory) <= budgets[s]
+    def fits(s: int, i: Any, j: Any) -> Any:
+        return plain(s, i, j) | (rc.peak(i, j, live[s], memory) <= budgets[s])
 
-    def time(s: int, i: int, j: int) -> float:
-        return costs.stage_time(i, j) if plain(s, i, j) else rc.time(i, j)
+    def time(s: int, i: Any, j: Any) -> Any:
+        return np.where(plain(s, i, j), costs.stage_time(i, j), rc.time(i, j))
 
-    found = partition(costs.num_blocks, num_stages, time, fits)
+    found = partition(costs.num_blocks, num_stages, time, fits, grid=True)
     if found is None:
         return None
     b = found.bounds
-    return found, tuple(not plain(s, b[s], b[s + 1]) for s in range(num_stages))
+    return found, tuple(not bool(plain(s, b[s], b[s + 1])) for s in range(num_stages))
 
 
 def _retell(message: str, *, helps: bool) -> str:

@@ -82,3 +82,40 @@ def test_infeasible_split_reports_the_tightest_need() -> None:
         split_costs(costs, 2, live=[2, 1], budgets=[5.0 * gib, 100.0 * gib], memory=MEMORY)
     found = split_costs(costs, 2, live=[2, 1], budgets=[6.0 * gib, 100.0 * gib], memory=MEMORY)
     assert found.bounds == (0, 1, 4)  # the first stage, with two microbatches in flight, gets one block
+
+
+def _scalar_recompute_split(rc: object, s: int, mode: object, live: list[int], budgets: list[float]) -> object:
+    """stage_costs._partition as it was before grids: one range at a time, through the scalar DP."""
+    costs = rc.costs  # type: ignore[attr-defined]
+
+    def plain(k: int, i: int, j: int) -> bool:
+        return mode is not True and costs.stage_peak(i, j, live[k], MEMORY) <= budgets[k]
+
+    def fits(k: int, i: int, j: int) -> bool:
+        return plain(k, i, j) or rc.peak(i, j, live[k], MEMORY) <= budgets[k]  # type: ignore[attr-defined]
+
+    def time(k: int, i: int, j: int) -> float:
+        return costs.stage_time(i, j) if plain(k, i, j) else rc.time(i, j)  # type: ignore[attr-defined]
+
+    found = partition(costs.num_blocks, s, time, fits)
+    return None if found is None else (found, tuple(not plain(k, found.bounds[k], found.bounds[k + 1])
+                                                    for k in range(s)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(), st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=8, max_size=8),
+       st.sampled_from([False, True, "auto"]))
+def test_grid_dp_is_the_scalar_dp_bit_for_bit(case: tuple[BlockCosts, int, list[int], list[float]],
+                                              forward: list[float], mode: object) -> None:
+    """The splitter's grids (numpy) find exactly the split the scalar DP finds, ties included (few distinct
+    forward times make many), with and without recomputation."""
+    from engine.planning.stage_costs import RecomputeCosts, _partition
+
+    costs, s, live, budgets = case
+    plain_grid = partition(costs.num_blocks, s, lambda k, i, j: costs.stage_time(i, j),
+                           lambda k, i, j: costs.stage_peak(i, j, live[k], MEMORY) <= budgets[k], grid=True)
+    plain_scalar = partition(costs.num_blocks, s, lambda k, i, j: costs.stage_time(i, j),
+                             lambda k, i, j: costs.stage_peak(i, j, live[k], MEMORY) <= budgets[k])
+    assert plain_grid == plain_scalar
+    rc = RecomputeCosts(costs, tuple(forward[: costs.num_blocks]))
+    assert _partition(rc, s, mode, live, budgets, MEMORY) == _scalar_recompute_split(rc, s, mode, live, budgets)

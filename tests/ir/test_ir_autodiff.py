@@ -230,3 +230,22 @@ def test_recomputed_work_runs_where_it_is_first_needed():
     gelu_out = 64 * f * 4
     grads = sum(w.numel() * 4 for layer in p for w in layer)
     assert ir.run_bytes(ad.backward.graph).peak < 2 * gelu_out + grads + 2 * 64 * f * 4
+
+
+def test_a_joint_cache_traces_each_stage_once_and_changes_no_program():
+    """`joints` (the planner's cache): every recompute level of one stage reads the same traced joint, and
+    each level's F/B/W/BW programs print exactly as without the cache."""
+    def mlp(p, x):
+        return (torch.nn.functional.gelu(x @ p["w1"]) @ p["w2"]).sum()
+
+    g = ir.trace(mlp, {"w1": torch.randn(16, 32), "w2": torch.randn(32, 4)}, torch.randn(8, 16))
+    joints: dict = {}
+    for level in (False, "cheap", True):
+        cached = ir.stage_autodiff(g, constant=[2], recompute=level, joints=joints)
+        fresh = ir.stage_autodiff(g, constant=[2], recompute=level)
+        assert len(joints) == 1
+        for part in ("forward", "backward_input", "backward_weight", "backward"):
+            a, b = getattr(cached, part), getattr(fresh, part)
+            assert str(a.graph) == str(b.graph) and (a.in_slots, a.out_slots) == (b.in_slots, b.out_slots)
+        assert (cached.grad_slots, cached.ct_slots, cached.num_slots) == (fresh.grad_slots, fresh.ct_slots,
+                                                                          fresh.num_slots)
