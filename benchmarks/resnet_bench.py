@@ -80,7 +80,8 @@ def timed(run: Callable[[], Any], args: argparse.Namespace, device: torch.device
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for k in range(args.warmup + args.steps):
-        dist.barrier()
+        if dist.is_initialized():  # a world of one has no process group
+            dist.barrier()
         start = time.perf_counter()
         run()
         if device.type == "cuda":
@@ -108,8 +109,9 @@ def fnpipe_row(args: argparse.Namespace, world: engine.World) -> dict[str, Any]:
 
 def ddp_row(args: argparse.Namespace, world: engine.World) -> dict[str, Any]:
     device = world.device
-    net = nn.parallel.DistributedDataParallel(model_of(args, device), device_ids=[device] if device.type == "cuda"
-                                              else None)
+    net = model_of(args, device)
+    if dist.is_initialized():  # a world of one: the plain module (eager PyTorch on one device)
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[device] if device.type == "cuda" else None)
     x, y = data(args, device)
     share = args.batch // world.size
     xs, ys = x[world.rank * share:(world.rank + 1) * share], y[world.rank * share:(world.rank + 1) * share]
@@ -173,8 +175,11 @@ def main() -> None:
     for name in args.rows.split(","):
         row = ROWS[name](args, world)
         peaks = [torch.tensor([-1.0 if row["peak_gib"] is None else row["peak_gib"]])]
-        gathered = [torch.zeros(1) for _ in range(world.size)]
-        dist.all_gather(gathered, peaks[0].to(world.device) if world.device.type == "cuda" else peaks[0])
+        gathered = [torch.zeros(1, device=world.device) for _ in range(world.size)]
+        if dist.is_initialized():
+            dist.all_gather(gathered, peaks[0].to(world.device))
+        else:
+            gathered = peaks
         row["peak_gib_per_rank"] = [round(float(t), 2) for t in gathered]
         row["images_per_s"] = args.batch / row["seconds"]
         results.append(row)
