@@ -109,9 +109,17 @@ def _errors(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return torch.where(same, torch.zeros_like(err), torch.nan_to_num(err, nan=float("inf"), posinf=float("inf")))
 
 
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """`x` with storage: autograd returns some all-zero grads (`sgn`'s, of a real input) as efficient zero
+    tensors, which have none to read."""
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device) if x._is_zerotensor() else x
+
+
 def compare_leaves(names: Sequence[str], actual: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor], *,
                    rtol: float | None, atol: float | None) -> list[LeafDiff]:
     """One LeafDiff per leaf; `actual[i] is None` means the parallel run gave no grad for leaf i."""
+    expected = [_plain(x) for x in expected]
+    actual = [None if x is None else _plain(x) for x in actual]
     scale = max([_finite_max(x.detach().to("cpu", torch.float64)) for x in expected] or [0.0])
     out = []
     for name, a, e in zip(names, actual, expected):

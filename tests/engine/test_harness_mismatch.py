@@ -73,3 +73,11 @@ def test_a_non_finite_leaf_does_not_blow_up_the_others_tolerance(bad):
     off = good + torch.tensor([0.0, 1e-3], dtype=torch.float64)  # far beyond 1e-10 of a scale of 2
     diffs = compare_leaves(["bad", "good"], [bad.clone(), off], [bad, good], rtol=None, atol=None)
     assert diffs[0].ok and not diffs[1].ok
+
+
+def test_an_efficient_zero_tensor_grad_compares_like_zeros():
+    """autograd returns some all-zero grads (sgn of a real input) as storage-less zero tensors"""
+    zero = torch._efficientzerotensor((3, 2), dtype=torch.float64)
+    assert compare_leaves(["w"], [torch.zeros(3, 2, dtype=torch.float64)], [zero], rtol=None, atol=None)[0].ok
+    diff = compare_leaves(["w"], [torch.ones(3, 2, dtype=torch.float64)], [zero], rtol=None, atol=None)[0]
+    assert not diff.ok and diff.max_abs == 1.0

@@ -75,11 +75,11 @@ REFUSAL_TEXT: dict[str, tuple[str, ...]] = {
 
 # Not design refusals: where fnpipe still differs from eager torch.func.grad, with the cause. Kept honest
 # like REFUSED (an op here that starts passing fails the test). index_fill fails in PyTorch's own
-# fake-tensor trace of its gradient too; sgn is a bug of fnpipe's. (index_reduce.prod and scatter_reduce.prod
-# pass since the joint is traced through torch.autograd.grad rather than functorch's vjp.)
+# fake-tensor trace of its gradient too. (Passing since 2026-11-23: index_reduce.prod and scatter_reduce.prod,
+# the joint traced through torch.autograd.grad rather than functorch's vjp; sgn, the harness reading
+# autograd's efficient zero tensors.)
 GAPS: dict[str, str] = {
     "index_fill": "the backward takes `unique` of the index: a shape from the data",
-    "sgn": "the parallel grad comes back on storage that was never allocated (a fake constant in the joint)",
 }
 
 # Ops whose output is uninitialised memory: their values are not comparable.
