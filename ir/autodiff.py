@@ -129,8 +129,8 @@ def _without_detach(g: Graph) -> Graph:
     eqns = []
     for e in g.eqns:
         e = e.replace_inputs(rename)
-        if e.op == "aten.detach.default" and isinstance(e.inputs[0], Var):
-            rename[e.outputs[0]] = e.inputs[0]
+        if e.op == "aten.detach.default" and e.args and isinstance(e.args[0], Var):  # not a constant's
+            rename[e.outputs[0]] = e.args[0]
         else:
             eqns.append(e)
     outputs = tuple(rename.get(v, v) if isinstance(v, Var) else v for v in g.outputs)
