@@ -13,7 +13,8 @@ stage's outputs and B redoes the forward (activation recomputation).
 """
 from __future__ import annotations
 
-from typing import AbstractSet, Any, Callable, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import AbstractSet, Any
 
 import attrs
 import torch
@@ -27,6 +28,7 @@ from .errors import IRError
 from .fx_import import FxImporter
 from .purify import is_view, remove_mutation, resolve
 from .slicing import slice_graph
+from .static_fill import masked_fills
 
 
 @attrs.frozen
@@ -82,7 +84,7 @@ def _trace_joint(g: Graph, diff_in: list[int], diff_out: list[int], device: str 
 
 
 def _trace_joint_on(g: Graph, diff_in: list[int], diff_out: list[int], device: str | None) -> Graph:
-    run = compile_graph(g)
+    run = compile_graph(masked_fills(g))  # index_fill by a tensor: a backward of static shapes
     n_in = len(g.inputs)
 
     def joint(*xs: Any) -> tuple[Any, ...]:
@@ -93,7 +95,7 @@ def _trace_joint_on(g: Graph, diff_in: list[int], diff_out: list[int], device: s
         return _vjp(run, ins, cts, diff_in, diff_out)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    dev = lambda v: device or v.aval.device  # noqa: E731
+    dev = lambda v: device or v.aval.device
     with mode:
         fake = [torch.empty(v.aval.shape, dtype=v.aval.dtype, device=dev(v)) for v in g.inputs]
         fake += [torch.empty(g.outputs[j].aval.shape, dtype=g.outputs[j].aval.dtype, device=dev(g.outputs[j]))

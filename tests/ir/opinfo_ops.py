@@ -74,13 +74,10 @@ REFUSAL_TEXT: dict[str, tuple[str, ...]] = {
     BN_STATS: ("mutates input",), SPARSE: ("Sparse", "sparse")}
 
 # Not design refusals: where fnpipe still differs from eager torch.func.grad, with the cause. Kept honest
-# like REFUSED (an op here that starts passing fails the test). index_fill fails in PyTorch's own
-# fake-tensor trace of its gradient too. (Passing since 2026-11-23: index_reduce.prod and scatter_reduce.prod,
-# the joint traced through torch.autograd.grad rather than functorch's vjp; sgn, the harness reading
-# autograd's efficient zero tensors.)
-GAPS: dict[str, str] = {
-    "index_fill": "the backward takes `unique` of the index: a shape from the data",
-}
+# like REFUSED (an op here that starts passing fails the test). None left (2026-11-23): index_reduce.prod and
+# scatter_reduce.prod pass with the joint traced through torch.autograd.grad rather than functorch's vjp; sgn
+# with the harness reading autograd's efficient zero tensors; index_fill through ir/static_fill.py.
+GAPS: dict[str, str] = {}
 
 # Ops whose output is uninitialised memory: their values are not comparable.
 UNINITIALISED = {"empty_like", "empty", "new_empty", "new_empty_strided", "empty_strided"}
@@ -110,7 +107,7 @@ def float64_ops() -> list[Any]:
 
 # Ops that once failed for a cause of their own, run in every sampled run so the cause stays fixed.
 REGRESSIONS = {"sgn", "index_reduce.prod", "scatter_reduce.prod", "masked.var", "masked.std", "masked.logaddexp",
-               "fft.rfft", "linalg.svd", "linalg.inv", "dist", "linalg.vector_norm", "histogramdd", "index_put"}
+               "index_fill", "fft.rfft", "linalg.svd", "linalg.inv", "dist", "linalg.vector_norm", "histogramdd", "index_put"}
 
 
 def sample_ops(ops: list[Any], every: int) -> list[Any]:
