@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ..planning.artifacts import Planned
-from ..planning.plan import fingerprint
+from ..planning.plan import fingerprint, rank_neutral
 from ..version import fnpipe_version
 from . import routing
 from .emit import emit
@@ -41,10 +41,14 @@ def reduce_groups(planned: Planned) -> list[tuple[int, ...]]:
     return groups
 
 
-def common_fingerprint(planned: Planned) -> str:
-    """What every rank must hold alike before the first step: fnpipe's version, plan, graph and lowered table."""
-    return fingerprint([fnpipe_version(), planned.plan.to_json(), str(planned.graph),
-                        list(planned.graph.input_names), str(planned.table)])
+def common_fingerprints(planned: Planned) -> dict[str, str]:
+    """What every rank must hold alike before the first step, part by part (so a refusal can name the part):
+    fnpipe's version, the plan, the graph (device indices left out: see `rank_neutral`) with its input names,
+    and the lowered table."""
+    graph = [rank_neutral(str(planned.graph)), list(planned.graph.input_names)]
+    parts = {"fnpipe version": fnpipe_version(), "plan": planned.plan.to_json(), "traced graph": graph,
+             "schedule table": str(planned.table)}
+    return {name: fingerprint(value) for name, value in parts.items()}
 
 
 def interface(program: Program, world_size: int) -> dict[str, str]:

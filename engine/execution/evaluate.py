@@ -31,7 +31,7 @@ import ir
 
 from ..errors import PlanError, RuntimeMismatchError
 from ..planning.artifacts import StageInfo
-from ..planning.plan import fingerprint
+from ..planning.plan import fingerprint, rank_neutral
 
 __all__ = ["GATHER", "Evaluator", "eval_cuts"]
 
@@ -116,7 +116,7 @@ class Evaluator:
 
     def verify(self) -> None:
         """Every rank traced and cut the same eval program (a collective: the first evaluate on each rank)."""
-        mine = fingerprint([str(self.graph), list(self.cuts)])
+        mine = fingerprint([rank_neutral(str(self.graph)), list(self.cuts)])
         prints = self.step.transport.all_gather_json([mine])
         if any(p[0] != prints[0][0] for p in prints):
             raise RuntimeMismatchError(f"the ranks built different eval programs ({[p[0][:12] for p in prints]}); "

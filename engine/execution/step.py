@@ -15,7 +15,7 @@ from ..errors import PlanError, RuntimeMismatchError
 from ..planning.artifacts import Planned
 from ..planning.plan import fingerprint
 from . import launch, routing
-from .assemble import Programs, channels, common_fingerprint, disagreements, interface, reduce_groups
+from .assemble import Programs, channels, common_fingerprints, disagreements, interface, reduce_groups
 from .executor import Executor, Hook
 from .footprint import Footprint, footprint
 from .inputs import Inputs
@@ -114,14 +114,13 @@ class Step:
         """All ranks must hold the same plan, graph and lowered table, and their programs must fit together
         (every send met by its receive, every sum joined alike); refuse to run otherwise, on every rank.
         Returns every rank's program fingerprint (each rank emitted only its own)."""
-        common = fingerprint([common_fingerprint(self.planned), self.inputs.check])  # check_inputs is collective too
+        common = {**common_fingerprints(self.planned), "check_inputs setting": fingerprint(self.inputs.check)}
         mine = [common, fingerprint(self.program.to_json()), interface(self.program, self.world.size)]
-        prints = self.transport.all_gather_json(mine)
+        prints = self.transport.all_gather_json(mine)  # check_inputs is collective too: its verdict is compared
         bad = [r for r, (common, _, _) in enumerate(prints) if common != prints[0][0]]
         odd = [] if bad else disagreements([face for _, _, face in prints])
         if bad or odd:
-            what = (f"ranks {bad} built a different plan than rank 0 (fingerprints {[c[:12] for c, _, _ in prints]})"
-                    if bad else "the ranks' programs do not fit together: " + "; ".join(odd[:4]))
+            what = _mismatch(prints, bad) if bad else "the ranks' programs do not fit together: " + "; ".join(odd[:4])
             raise RuntimeMismatchError(f"{what}; every rank must call parallelize with the same function, shapes, "
                                        "dtypes and options, and run the same fnpipe")
         return tuple(program for _, program, _ in prints)
@@ -236,3 +235,12 @@ def connect(world: launch.World, planned: Planned, timeout: float) -> Transport:
     if not world.distributed:
         return LocalTransport(Hub(1, timeout), 0)
     return DistTransport(timeout, reduce_groups(planned), channels(planned), world.device)
+
+
+def _mismatch(prints: list, bad: list[int]) -> str:
+    """Which ranks differ from rank 0, and in what: 'ranks [1] built a different traced graph than rank 0'."""
+    first = prints[0][0]
+    parts = [k for k, v in first.items() if any(prints[r][0].get(k) != v for r in bad)]
+    said = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return (f"ranks {bad} built a different {said} than rank 0 (fingerprints "
+            f"{[prints[r][0].get(parts[0], '')[:12] for r in range(len(prints))]})")

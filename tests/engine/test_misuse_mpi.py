@@ -29,9 +29,10 @@ SHORT = ("batch leaf 'x' is f32[32,8], the step was planned for f32[64,8]; pass 
          "of 16 rows), or call engine.parallelize again with an example batch of 32 rows")
 NO_PARAMS = (f"loss_fn's loss does not depend on any param (it is computed from the batch alone, or through "
              f"detach), so every grad would be zero; {CONTRACT}")
-OTHER_PLAN = (r"ranks \[1\] built a different plan than rank 0 \(fingerprints \['[0-9a-f]{12}', '[0-9a-f]{12}'\]\); "
-              r"every rank must call parallelize with the same function, shapes, dtypes and options, and run the "
-              r"same fnpipe")
+def other_plan(parts: str) -> str:
+    return (rf"ranks \[1\] built a different {parts} than rank 0 \(fingerprints \['[0-9a-f]{{12}}', '[0-9a-f]{{12}}'\]\); "
+            r"every rank must call parallelize with the same function, shapes, dtypes and options, and run the "
+            r"same fnpipe")
 
 
 def differ(*what: str, more: int = 0) -> str:
@@ -71,7 +72,7 @@ SAME: dict[str, tuple[str, str]] = {
     "batch_does_not_split": ("PlanError", "batch size 64 does not split into dp x microbatches equal parts "
                              "(microbatches=5, dp=None, world_size=2); valid microbatch counts: dp 1: [1, 2, 4, 8, 16, "
                              "32, 64]; pass the full batch, with a size that dp x microbatches divides"),
-    "ranks_choose_other_options": ("RuntimeMismatchError", "re:" + OTHER_PLAN),
+    "ranks_choose_other_options": ("RuntimeMismatchError", "re:" + other_plan("plan, traced graph and schedule table")),
     # the loss contract
     "integer_loss": ("TraceError", f"loss_fn returns a loss of type i64[]; {CONTRACT}: an integer or bool value has "
                      "no gradient; compute the loss in floating point"),
@@ -110,7 +111,7 @@ SAME: dict[str, tuple[str, str]] = {
     "dp_batch_differs": ("InputError", differ("batch leaf 'y'")),
     "check_inputs_unknown": ("PlanError", "check_inputs must be one of 'first', 'every', 'never', got 'sometimes': "
                              "'first' compares the ranks' inputs on the first step, 'every' on every step"),
-    "ranks_choose_other_checks": ("RuntimeMismatchError", "re:" + OTHER_PLAN),
+    "ranks_choose_other_checks": ("RuntimeMismatchError", "re:" + other_plan("check_inputs setting")),
     # replicas per stage: refused alike on every rank, before planning
     "replicas_bad_count": ("PlanError", "replicas must be one int >= 1 per pipeline stage, like (2, 1) for stage 0 "
                            "on 2 ranks and stage 1 on 1; got (1, 0)"),
