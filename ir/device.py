@@ -1,6 +1,7 @@
 """Which device a graph targets, whether this machine can run it, and re-targeting a graph to another."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
@@ -14,6 +15,16 @@ from .errors import IRError
 def device_type(device: str | torch.device) -> str:
     """`cuda` for "cuda:1" or torch.device("cuda", 1)."""
     return torch.device(device).type
+
+
+_DEVICE_INDEX = re.compile(r"\b(cuda|xpu|mps|hpu|mtia|privateuseone):\d+\b")
+
+
+def rank_neutral(text: str) -> str:
+    """`text` (a printed graph, an op's arguments) without device indices: a factory op traced on rank 1
+    prints `device=cuda:1` where rank 0's prints `device=cuda:0` (RoPE's `arange(..., device=x.device)`);
+    each rank runs its program on its own device, so the index is no difference between the ranks."""
+    return _DEVICE_INDEX.sub(r"\1", text)
 
 
 def available(device: str | torch.device) -> bool:

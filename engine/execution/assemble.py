@@ -8,10 +8,14 @@ from the lowered table, which every rank holds alike.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Sequence
 
+from ir.device import rank_neutral
+
+
 from ..planning.artifacts import Planned
-from ..planning.plan import fingerprint, rank_neutral
+from ..planning.plan import fingerprint
 from ..version import fnpipe_version
 from . import routing
 from .emit import emit
@@ -42,12 +46,12 @@ def reduce_groups(planned: Planned) -> list[tuple[int, ...]]:
 
 
 def common_fingerprints(planned: Planned) -> dict[str, str]:
-    """What every rank must hold alike before the first step, part by part (so a refusal can name the part):
-    fnpipe's version, the plan, the graph (device indices left out: see `rank_neutral`) with its input names,
-    and the lowered table."""
+    """What every rank must hold alike before the first step, part by part, so that a refusal names the part:
+    fnpipe's version, each field of the plan (`plan.stages`, `plan.predicted_step_time`, ...), the graph
+    (device indices left out: see `rank_neutral`) with its input names, and the lowered table."""
     graph = [rank_neutral(str(planned.graph)), list(planned.graph.input_names)]
-    parts = {"fnpipe version": fnpipe_version(), "plan": planned.plan.to_json(), "traced graph": graph,
-             "schedule table": str(planned.table)}
+    plan = {f"plan.{key}": value for key, value in json.loads(planned.plan.to_json()).items()}
+    parts = {"fnpipe version": fnpipe_version(), **plan, "traced graph": graph, "schedule table": str(planned.table)}
     return {name: fingerprint(value) for name, value in parts.items()}
 
 

@@ -31,7 +31,8 @@ import ir
 
 from ..errors import PlanError, RuntimeMismatchError
 from ..planning.artifacts import StageInfo
-from ..planning.plan import fingerprint, rank_neutral
+from ..planning.plan import fingerprint
+from ir.device import rank_neutral
 
 __all__ = ["GATHER", "Evaluator", "eval_cuts"]
 

@@ -238,9 +238,11 @@ def connect(world: launch.World, planned: Planned, timeout: float) -> Transport:
 
 
 def _mismatch(prints: list, bad: list[int]) -> str:
-    """Which ranks differ from rank 0, and in what: 'ranks [1] built a different traced graph than rank 0'."""
+    """Which ranks differ from rank 0, and in what: 'ranks [1] built a different plan (memory_limit) than rank 0'."""
     first = prints[0][0]
-    parts = [k for k, v in first.items() if any(prints[r][0].get(k) != v for r in bad)]
+    keys = [k for k, v in first.items() if any(prints[r][0].get(k) != v for r in bad)]
+    fields = [k[len("plan."):] for k in keys if k.startswith("plan.")]
+    parts = ([f"plan ({', '.join(fields)})"] if fields else []) + [k for k in keys if not k.startswith("plan.")]
     said = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     return (f"ranks {bad} built a different {said} than rank 0 (fingerprints "
-            f"{[prints[r][0].get(parts[0], '')[:12] for r in range(len(prints))]})")
+            f"{[prints[r][0].get(keys[0], '')[:12] for r in range(len(prints))]})")

@@ -27,6 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import ir
+from ir.device import rank_neutral
 
 log = logging.getLogger("engine.calibrate")
 ProgramCompiler = Callable[[ir.Graph, tuple[int, ...]], Callable[..., Any]]  # (graph, accumulate) -> runnable
@@ -46,7 +47,7 @@ def signature(e: ir.Eqn) -> str:
     """Structural hash of (op, input shapes and dtypes, constant args): equal ops share one timing."""
     args = pytree.tree_map(_describe, e.args)
     kwargs = [(k, pytree.tree_map(_describe, v)) for k, v in e.kwargs]
-    return hashlib.sha1(f"{e.op}|{args}|{kwargs}".encode()).hexdigest()[:20]
+    return hashlib.sha1(rank_neutral(f"{e.op}|{args}|{kwargs}").encode()).hexdigest()[:20]
 
 
 def accumulate_signature(aval: ir.AbstractValue) -> str:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from typing import Any
 
 import attrs
@@ -240,16 +239,6 @@ def _terms(plan: Plan) -> list[str]:
     rows = [f"  {name:<13}" + " ".join(f"{nbytes(v[r]):>9}" for r in shown) for name, v in plan.memory_terms]
     total = [sum(v[r] for _, v in plan.memory_terms) for r in shown]
     return [head, f"  {'':<13}{cols}", *rows, f"  {'total':<13}" + " ".join(f"{nbytes(t):>9}" for t in total)]
-
-
-_DEVICE_INDEX = re.compile(r"\b(cuda|xpu|mps|hpu|mtia|privateuseone):\d+\b")
-
-
-def rank_neutral(text: str) -> str:
-    """`text` (a printed graph) without device indices: a factory op traced on rank 1 prints `device=cuda:1`
-    where rank 0's prints `device=cuda:0` (RoPE's `arange(..., device=x.device)`), and each rank runs its
-    program on its own device, so the index is no disagreement between the ranks."""
-    return _DEVICE_INDEX.sub(r"\1", text)
 
 
 def fingerprint(items: Any) -> str:

@@ -188,7 +188,7 @@ def test_ranks_with_different_plans_refuse_to_run(two_plans) -> None:
     for err in errors:  # both ranks refuse, so neither waits forever on the other's first message
         assert isinstance(err, RuntimeMismatchError), errors
         msg = str(err)
-        assert "ranks [1] built a different plan and schedule table than rank 0" in msg
+        assert "ranks [1] built a different plan (schedule) and schedule table than rank 0" in msg
         assert "every rank must call parallelize with the same function, shapes, dtypes and options" in msg
 
 
@@ -225,7 +225,7 @@ def test_mpirun_without_mpi4py_says_what_to_install(monkeypatch: pytest.MonkeyPa
 def test_a_device_index_is_no_disagreement_between_ranks() -> None:
     """RoPE's `arange(..., device=x.device)` prints `device=cuda:1` in rank 1's graph (the Llama rows of the
     2 x H200 benchmark refused to run until the fingerprint left device indices out); another device type is."""
-    from engine.planning.plan import rank_neutral
+    from ir.device import rank_neutral
 
     def f(p: dict, x: torch.Tensor) -> torch.Tensor:
         return (p["w"] * x + torch.arange(x.shape[0], device=x.device, dtype=x.dtype)).sum()
