@@ -19,6 +19,7 @@ import attrs
 import torch
 
 import ir
+from ir.device import rank_neutral
 from ir.costs import base_name
 
 from .calibration import Calibration, accumulate_signature, signature
@@ -135,6 +136,7 @@ def backward_estimates(g: ir.Graph, times: Sequence[float]) -> tuple[list[float]
 
 
 def graph_hash(g: ir.Graph) -> str:
-    """sha256 of the printed graph (ops, shapes, dtypes, wiring) and its input names."""
+    """sha256 of the printed graph (ops, shapes, dtypes, wiring) and its input names; device indices left out
+    (`ir.device.rank_neutral`: rank 1's factory ops print cuda:1, and its plan must equal rank 0's)."""
     text = str(g) + "\n" + "\n".join(f"{n}:{v.aval}" for n, v in zip(g.input_names, g.inputs))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(rank_neutral(text).encode()).hexdigest()

@@ -235,3 +235,20 @@ def test_a_device_index_is_no_disagreement_between_ranks() -> None:
     on = {d: rank_neutral(text.replace("device=cpu", f"device={d}")) for d in ("cuda:0", "cuda:1", "cuda:12", "cpu")}
     assert on["cuda:0"] == on["cuda:1"] == on["cuda:12"] != on["cpu"]
     assert "device=cuda " in on["cuda:1"]
+
+
+def test_plans_of_ranks_on_other_device_indices_are_equal() -> None:
+    """The graph hash a plan records and the calibration signatures its costs are looked up by are the same for
+    a graph on cuda:0 and on cuda:1 (found on 2 x H200: the Llama and ResNet plans differed in graph_hash)."""
+    from engine.planning.calibration import signature
+    from engine.planning.op_costs import graph_hash
+    from ir.device import retarget
+
+    def f(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return (p["w"] * x + torch.arange(x.shape[0], device=x.device, dtype=x.dtype)).sum()
+
+    g = ir.trace(f, {"w": torch.ones(3)}, torch.ones(3))
+    zero, one = retarget(g, "cpu", "cuda:0"), retarget(g, "cpu", "cuda:1")
+    assert "cuda:1" in str(one) and str(zero) != str(one)
+    assert graph_hash(zero) == graph_hash(one) != graph_hash(g)
+    assert [signature(e) for e in zero.eqns] == [signature(e) for e in one.eqns]
