@@ -62,6 +62,8 @@ class Stage:
     batch_ids: tuple[int, ...]
     acts_in: tuple[int, ...]
     acts_out: tuple[int, ...]
+    frozen_in: tuple[int, ...] = ()   # positions k of acts_in that carry no gradient (`no_grad_values`)
+    frozen_out: tuple[int, ...] = ()  # positions j of acts_out likewise: no cotangent comes back for them
 
     @property
     def is_last(self) -> bool:
@@ -127,7 +129,9 @@ def _crossings(g: Graph, bounds: Sequence[int], order: Sequence[Var]) -> tuple[l
 def split(g: Graph, cuts: Sequence[int]) -> tuple[Stage, ...]:
     """Cut `g` before each equation index in `cuts`; a value used by a later stage is carried through
     the stages between, so each stage talks only to its neighbours. A received value that carries no
-    gradient in `g` (see `no_grad_values`) is detached again in the receiving stage. Linear in the graph
+    gradient in `g` (see `no_grad_values`: RoPE's cos and sin tables, masks made from the batch) is detached
+    again in the receiving stage, and both stages name it (`frozen_in`, `frozen_out`) so that stage autodiff
+    neither computes nor sends a gradient for it. Linear in the graph
     size plus what crosses the cuts (a 70 B model's 128-block graphs are split thousands of times)."""
     bounds = _check_cuts(g, cuts)
     frozen = no_grad_values(g)
@@ -150,5 +154,7 @@ def split(g: Graph, cuts: Sequence[int]) -> tuple[Stage, ...]:
         graph = _redetach(graph, [v for v in crossing_in if v in frozen])
         stages.append(Stage(k, bounds[k], bounds[k + 1], graph,
                             tuple(inputs_pos[v] for v in params), tuple(inputs_pos[v] for v in batch),
-                            tuple(vid[v] for v in crossing_in), tuple(vid[v] for v in crossing_out)))
+                            tuple(vid[v] for v in crossing_in), tuple(vid[v] for v in crossing_out),
+                            tuple(i for i, v in enumerate(crossing_in) if v in frozen),
+                            tuple(j for j, v in enumerate(crossing_out) if v in frozen)))
     return tuple(stages)

@@ -69,7 +69,7 @@ class StageInfo:
 
 def _signature(st: ir.Stage) -> tuple[Any, ...]:
     """What a stage's programs depend on besides its graph: its interface to the other stages."""
-    return (st.start, st.stop, st.param_ids, st.batch_ids, st.acts_in, st.acts_out)
+    return (st.start, st.stop, st.param_ids, st.batch_ids, st.acts_in, st.acts_out, st.frozen_in, st.frozen_out)
 
 
 class Workshop:
@@ -111,7 +111,7 @@ class Workshop:
         key = (size, _signature(stage), level)
         if key not in self._ads:
             alike = (str(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
-                     stage.is_last, level)
+                     stage.frozen_in, stage.frozen_out, stage.is_last, level)
             if alike not in self._alike:
                 self._alike[alike] = autodiff(stage, level, device=self.device, joints=self._joints)
             self._ads[key] = self._alike[alike]
@@ -136,8 +136,9 @@ def autodiff(stage: ir.Stage, recompute: bool | str = False, *, device: str | No
     """`ir.stage_autodiff` of a stage, its params differentiated, its batch leaves and (last stage) the loss
     function's aux outputs constant (`device`: where the programs will run; None, the graph's own)."""
     n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
-    aux = range(len(stage.acts_out) + 1, len(stage.graph.outputs)) if stage.is_last else ()
-    return ir.stage_autodiff(stage.graph, constant=range(n_params, n_params + n_batch), constant_outputs=aux,
+    aux = range(len(stage.acts_out) + 1, len(stage.graph.outputs)) if stage.is_last else range(0)
+    constant = [*range(n_params, n_params + n_batch), *(n_params + n_batch + k for k in stage.frozen_in)]
+    return ir.stage_autodiff(stage.graph, constant=constant, constant_outputs=[*stage.frozen_out, *aux],
                              device=device, recompute=recompute, joints=joints)
 
 
