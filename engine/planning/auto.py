@@ -13,8 +13,9 @@ benchmarks/auto_schedule.py). So auto is never predicted more than 1 % slower th
 and prefers the order with fewer moving parts where the model cannot tell them apart.
 
 Why "auto" is not the default (benchmarks/NOTES.md, "schedule=auto as the default?"): it plans every candidate,
-2.7-3.7x the planning time of the default "1f1b" on the small models and more on plan_gpt.py, above the 2x
-this project allows; and CPU measurements agree with its picks only within their own noise.
+1.8-9.4x the planning time of the default "1f1b" on the small models of benchmarks/auto_schedule.py, above the
+2x this project allows; and CPU measurements agree with its picks only within their own noise (two runs of one
+plan differ by up to 1.7x on a shared machine): the GPU rows of `h200_session.sh schedlib` are the test.
 """
 from __future__ import annotations
 
