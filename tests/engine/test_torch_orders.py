@@ -19,23 +19,23 @@ from schedules.hand_orders import interleaved_zb_loop, zbv_order
 pytestmark = pytest.mark.skipif(torch_table("zbv", 2, 4) is None, reason="this torch has no schedule visualizer")
 warnings.filterwarnings("ignore", module="torch.distributed.pipelining")
 
-# m = p, 2p, 4p; p = 8 and p = 4, m = 4p only where a cell takes milliseconds (the zero-bubble family searches its
-# order: the benchmark has those cells)
+# m = p, 2p, 4p for p = 2, 4, 8 where a cell takes milliseconds; the zero-bubble family searches its order (a few
+# tenths of a second a cell), so past p = 2 it runs m = p, and m = 2p with the costs that PyTorch's hand-built
+# orders won before they joined the portfolio (B = 2F, a slow link). The benchmark has every cell.
+SEARCHED_AT_4P = ("F1 B2 W1", "slow link")
 
 
-def _cells() -> list[tuple[str, int, int]]:
-    cells = []
-    for name in COUNTERPARTS:
-        searched = name in ZERO_BUBBLE
-        for p in (2, 4, 8):
-            for k in (1, 2, 4):
-                if not searched or p == 2 or (p == 4 and k < 4):
-                    cells.append((name, p, k * p))
-    return cells
+def _runs(name: str, p: int, k: int, label: str) -> bool:
+    if name not in ZERO_BUBBLE or p == 2:
+        return True
+    return p == 4 and (k == 1 or (k == 2 and label in SEARCHED_AT_4P))
 
 
-@pytest.mark.parametrize("name,p,m", _cells())
-@pytest.mark.parametrize("label", list(COSTS))
+CELLS = [(name, p, k * p, label) for name in COUNTERPARTS for p in (2, 4, 8) for k in (1, 2, 4) for label in COSTS
+         if _runs(name, p, k, label)]
+
+
+@pytest.mark.parametrize("name,p,m,label", CELLS)
 def test_no_slower_than_torch(name: str, p: int, m: int, label: str) -> None:
     row = compare(name, p, m, label, *per_position(label, p))
     if row is None:  # torch refuses (p, m), or its order does not validate (1F1B through the visualizer)
