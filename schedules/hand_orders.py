@@ -16,8 +16,6 @@ from __future__ import annotations
 # action when its inputs are there). ``tests/engine/test_torch_orders.py`` checks that the rows equal
 # PyTorch's generated orders wherever the installed torch has its visualizer.
 
-from collections.abc import Callable
-
 from schedules.action import Action, B, F, W
 from schedules.table import Table
 
@@ -36,6 +34,25 @@ def interleaved_zb_loop(p: int, v: int, m: int) -> Table | None:
     return Table(p * v, m, tuple(s % p for s in range(p * v)), rows)
 
 
+class _Row:
+    """A rank's row being written: each stage's F, B and W numbered in the order they are added."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.count: dict[tuple[int, str], int] = {}
+
+    def add(self, *steps: tuple[int, str], times: int = 1) -> None:
+        """``steps`` (stage, kind) in turn, ``times`` over, each on its stage's next microbatch of that kind."""
+        for _ in range(times):
+            for stage, kind in steps:
+                i = self.count.get((stage, kind), 0)
+                self.count[(stage, kind)] = i + 1
+                self.actions.append(Action(stage, kind, i))
+
+    def done(self, stage: int, kind: str) -> int:
+        return self.count.get((stage, kind), 0)
+
+
 def _interleaved_row(r: int, p: int, v: int, m: int, per_round: int) -> list[Action]:
     warmup = min((v - 1) * per_round + (p - 1 - r), m * v)
 
@@ -45,28 +62,21 @@ def _interleaved_row(r: int, p: int, v: int, m: int, per_round: int) -> list[Act
     def backward_stage(op: int) -> int:
         return (v - 1 - (op - warmup) // per_round % v) * p + r
 
-    count: dict[tuple[int, str], int] = {}
-    row: list[Action] = []
-
-    def add(stage: int, kind: str) -> None:
-        i = count.get((stage, kind), 0)
-        count[(stage, kind)] = i + 1
-        row.append(Action(stage, kind, i))
-
+    row = _Row()
     backward_ops: list[int] = []
     weights = 0
     for op in range(m * v + warmup):  # warm-up forwards, then F + B pairs, then the cool-down's B's
         if op < m * v:
-            add(forward_stage(op), F)
+            row.add((forward_stage(op), F))
         if op >= warmup:
-            add(backward_stage(op), B)
+            row.add((backward_stage(op), B))
             backward_ops.append(op)
             if op - warmup >= r:  # rank r runs each W r backwards after its B (ZB-H1's lag)
-                add(backward_stage(backward_ops[weights]), W)
+                row.add((backward_stage(backward_ops[weights]), W))
                 weights += 1
     for op in backward_ops[weights:]:
-        add(backward_stage(op), W)
-    return row
+        row.add((backward_stage(op), W))
+    return row.actions
 
 
 def zbv_order(p: int, m: int) -> Table:
@@ -80,35 +90,16 @@ def zbv_order(p: int, m: int) -> Table:
 
 def _zbv_row(r: int, p: int, n: int) -> list[Action]:
     down, up = r, 2 * p - 1 - r
-    count: dict[tuple[int, str], int] = {}
-    row: list[Action] = []
-
-    def add(stage: int, kind: str) -> None:
-        i = count.get((stage, kind), 0)
-        count[(stage, kind)] = i + 1
-        row.append(Action(stage, kind, i))
-
-    def each(*steps: tuple[int, str]) -> Callable[[], None]:
-        return lambda: [add(*step) for step in steps]  # type: ignore[func-returns-value]
-
-    _repeat(2 * (p - r) - 1, each((down, F)))
-    _repeat(r, each((up, F), (down, F)))
-    _repeat(p - r, each((up, F), (up, B), (up, W)))
-    while count.get((up, F), 0) < count[(down, F)] or count[(down, F)] < n:  # the steady state
-        if count[(down, F)] < n:
-            add(down, F)
-        each((down, B), (down, W), (up, F), (up, B), (up, W))()
-    w_down, w_up = count.get((down, B), 0), count.get((up, B), 0)
-    _repeat(r, each((down, B), (up, B)))
-    for _ in range(p - r):  # the cool-down: rank r's last B's, each W of the first leg right behind
-        add(down, B)
-        row.append(Action(down, W, w_down))
-        w_down += 1
-    row += [Action(up, W, i) for i in range(w_up, count.get((up, B), 0))]
-    row += [Action(down, W, i) for i in range(w_down, count.get((down, B), 0))]
-    return row
-
-
-def _repeat(times: int, step: Callable[[], None]) -> None:
-    for _ in range(times):
-        step()
+    row = _Row()
+    row.add((down, F), times=2 * (p - r) - 1)
+    row.add((up, F), (down, F), times=r)
+    row.add((up, F), (up, B), (up, W), times=p - r)
+    while row.done(up, F) < row.done(down, F) or row.done(down, F) < n:  # the steady state
+        if row.done(down, F) < n:
+            row.add((down, F))
+        row.add((down, B), (down, W), (up, F), (up, B), (up, W))
+    row.add((down, B), (up, B), times=r)  # the cool-down: B's first, the W's held back
+    row.add((down, B), (down, W), times=p - r)
+    row.add((up, W), times=row.done(up, B) - row.done(up, W))
+    row.add((down, W), times=row.done(down, B) - row.done(down, W))
+    return row.actions
