@@ -7,6 +7,8 @@ older torch: the script says so and prints fnpipe's column only). Costs are per 
 rank's share of the model), split evenly between the v stages a rank holds; "uneven" makes the first position
 1.3x and the last 1.5x; "slow link" adds a transfer of half a forward per boundary. The zero-bubble family
 builds its order from these costs with at most the live microbatches PyTorch's order holds on each rank.
+p = 2, 4, 8 and m = p, 2p, 4p (about 5 minutes of CPU; `--quick`: p <= 4); the last line counts the cells
+where fnpipe's order is faster, tied and slower.
 """
 from __future__ import annotations
 
