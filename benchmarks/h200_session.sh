@@ -67,7 +67,8 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
       bench 400 2 29521 --budget 370 --families "$families" --calibrate "$cal" --one-gpu-layers 0 --timeout 240 \
         --compilers auto --schedules 1f1b,looped-bfs,interleaved-zb,zbv,dualpipev,auto \
-        --torch-eager 1f1b,looped-bfs,dualpipev --torch-compiled 1f1b,looped-bfs --torch-risky interleaved-zb,zbv,dualpipev \
+        --torch-eager 1f1b,looped-bfs,interleaved-zb,zbv,dualpipev --torch-compiled 1f1b,looped-bfs \
+        --torch-risky interleaved-zb,zbv,dualpipev \
         --risky-timeout 60 --out-dir "$out/schedlib"
       OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
       ;;

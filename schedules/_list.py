@@ -67,7 +67,8 @@ def list_schedule(
         if now + duration > bound:
             return None
         run.start(r, now, best)
-    return Table(len(stage_to_rank), num_microbatches, tuple(stage_to_rank), run.rows), run.makespan
+    rows = [[Action(s, kind, i) for kind, s, i in row] for row in run.rows]  # only for a run that finished
+    return Table(len(stage_to_rank), num_microbatches, tuple(stage_to_rank), rows), run.makespan
 
 
 class _Run:
@@ -89,7 +90,7 @@ class _Run:
         self.free_at, self.live = [0.0] * num_ranks, [0] * num_ranks
         self.lead = [m] * num_ranks
         self.after = [next((t for t in self.stages[stage_to_rank[s]] if t > s), -1) for s in range(num_stages)]
-        self.rows: list[list[Action]] = [[] for _ in range(num_ranks)]
+        self.rows: list[list[Choice]] = [[] for _ in range(num_ranks)]
         self.events = [(0.0, r, False) for r in range(num_ranks)]  # (time, rank, an action of it ends)
         self.waiting: list[int] = []
         self.remaining, self.makespan = 3 * num_stages * m, 0.0
@@ -143,7 +144,7 @@ class _Run:
         self.ended[kind][s][i], self.free_at[r] = end, end
         self.next[kind][s] += 1
         self.live[r] += (kind == F) - (kind == W)
-        self.rows[r].append(Action(s, kind, i))
+        self.rows[r].append(choice)
         self.remaining -= 1
         self.makespan = max(self.makespan, end)
         heapq.heappush(self.events, (end, r, True))

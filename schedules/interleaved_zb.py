@@ -5,6 +5,7 @@ from __future__ import annotations
 from schedules._params import check_counts, positive_int, take_options
 from schedules.errors import ScheduleError
 from schedules.from_costs import build_from_costs, order_for
+from schedules.hand_orders import interleaved_zb_loop
 from schedules.table import Table
 
 __all__ = ["interleaved_zb"]
@@ -14,7 +15,8 @@ def interleaved_zb(num_stages: int, num_microbatches: int, **options: object) ->
     """Zero bubble with ``stages_per_rank=v`` (default 2) stages per rank placed as in
     interleaved-1f1b (stage s on rank s mod p, p = num_stages / v), B and W apart. Without costs
     the order is built for F = B = W (a stage of a rank holding v costs 1/v); ``costs`` and
-    ``max_live`` build it for other times (``schedules.from_costs``). Each rank holds at most
+    ``max_live`` build it for other times (``schedules.from_costs``); either way PyTorch's
+    interleaved zero-bubble loop (``schedules.hand_orders``) is among the candidates. Each rank holds at most
     ``max_live`` stage-microbatches, by default v·p (PyTorch's ScheduleInterleavedZeroBubble holds
     as many). Any m >= 1.
 
@@ -36,5 +38,7 @@ def interleaved_zb(num_stages: int, num_microbatches: int, **options: object) ->
     p = num_stages // v
     placement = tuple(s % p for s in range(num_stages))
     unit = tuple((1.0 / v,) * num_stages for _ in range(3)) + ((0.0,) * num_stages,)
-    fixed = build_from_costs(placement, num_microbatches, unit, (v * p,) * p)  # type: ignore[arg-type]
-    return order_for("interleaved-zb", fixed, chosen, default_live=(v * p,) * p)
+    loop = interleaved_zb_loop(p, v, num_microbatches)  # PyTorch's order: a candidate, never lost
+    seeds = (loop,) if loop is not None else ()
+    fixed = build_from_costs(placement, num_microbatches, unit, (v * p,) * p, seeds)  # type: ignore[arg-type]
+    return order_for("interleaved-zb", fixed, chosen, default_live=(v * p,) * p, seeds=seeds)

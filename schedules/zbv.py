@@ -7,6 +7,7 @@ from schedules._params import check_counts, take_options
 from schedules.action import Action, B, F, W
 from schedules.errors import ScheduleError
 from schedules.from_costs import order_for
+from schedules.hand_orders import zbv_order
 from schedules.table import Table
 
 __all__ = ["zbv"]
@@ -22,7 +23,8 @@ def zbv(num_stages: int, num_microbatches: int, **options: object) -> Table:
     ready action (B first stage, F second stage, B second stage, F first stage, then W), keeping
     at most 2p stage-microbatches live (the memory of 1F1B's rank 0). With F = B = W every rank
     idles only p-1 time units once m >= 2p, the least possible. ``costs`` and ``max_live``
-    (default 2p) build the order for other times (``schedules.from_costs``; see ``zb_h1``).
+    (default 2p) build the order for other times (``schedules.from_costs``; see ``zb_h1``), PyTorch's ZBV
+    order (``schedules.hand_orders``) among the candidates.
 
     p=2 (4 stages), m=3, F=B=W=1 (``render_ascii``)::
 
@@ -44,4 +46,4 @@ def zbv(num_stages: int, num_microbatches: int, **options: object) -> Table:
 
     placement = [s if s < p else num_stages - 1 - s for s in range(num_stages)]
     fixed = greedy_table(placement, num_microbatches, live_limit=[2 * p] * p, priority=urgency)
-    return order_for("zbv", fixed, chosen, default_live=[2 * p] * p)
+    return order_for("zbv", fixed, chosen, default_live=[2 * p] * p, seeds=(zbv_order(p, num_microbatches),))

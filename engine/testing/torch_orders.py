@@ -8,7 +8,7 @@ import attrs
 import schedules
 from schedules import Action, Costs, Table
 
-__all__ = ["COUNTERPARTS", "Row", "compare", "torch_table", "zero_bubble"]
+__all__ = ["COUNTERPARTS", "ZERO_BUBBLE", "Row", "compare", "torch_rows", "torch_table", "zero_bubble"]
 
 # fnpipe schedule -> PyTorch's schedule class name, stages per rank (the zero-bubble family is built from costs)
 COUNTERPARTS: dict[str, tuple[str, int]] = {
@@ -35,20 +35,31 @@ def _get_schedule_ops() -> Any:
     return get_schedule_ops
 
 
-def torch_table(name: str, p: int, m: int) -> Table | None:
-    """PyTorch's order for fnpipe's schedule `name` on p ranks and m microbatches, as a Table (overlapped F+B
-    actions become their two sub-actions, in order); None where this torch lacks the schedule or refuses (p, m)."""
+def torch_rows(name: str, p: int, m: int, v: int) -> list[list[Action]] | None:
+    """The compute actions of PyTorch's order for fnpipe's schedule `name` (v stages per rank) on p ranks and m
+    microbatches, rank by rank (overlapped F+B actions become their two sub-actions, in order); None where this
+    torch lacks the schedule or refuses (p, m)."""
     get_ops = _get_schedule_ops()
     if get_ops is None or name not in COUNTERPARTS:
         return None
-    torch_name, v = COUNTERPARTS[name]
     try:
-        ops = get_ops(torch_name, p, m, num_stages_per_rank=v)
+        ops = get_ops(COUNTERPARTS[name][0], p, m, num_stages_per_rank=v)
     except Exception:  # noqa: BLE001 - torch refuses this (p, m) (its own ValueError/AssertionError)
         return None
-    rows = [[Action(x.stage_index, _KIND[_kind(x)], x.microbatch_index)
+    return [[Action(x.stage_index, _KIND[_kind(x)], x.microbatch_index)
              for a in ops[r] if a is not None for x in (a.sub_actions or (a,)) if _kind(x) in _KIND]
             for r in range(p)]  # compute only: torch's REDUCE_GRAD and the like take no time here
+
+
+def torch_table(name: str, p: int, m: int) -> Table | None:
+    """PyTorch's order for fnpipe's schedule `name` on p ranks and m microbatches as a Table (`torch_rows` with the
+    stages per rank of COUNTERPARTS); None where this torch lacks the schedule or refuses (p, m)."""
+    if name not in COUNTERPARTS:
+        return None
+    torch_name, v = COUNTERPARTS[name]
+    rows = torch_rows(name, p, m, v)
+    if rows is None:
+        return None
     n = p * v
     placement = [(s if s < p else n - 1 - s) if torch_name in _V_SHAPED else s % p for s in range(n)]
     try:  # torch 2.13's visualizer shifts the microbatches of 1F1B's later ranks (its mock stage is rank 0)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import schedules
+from engine.errors import SplitError
 from engine.execution.inprocess import build_steps, run_steps
-from engine.planning.auto import CANDIDATES
+from engine.planning.auto import CANDIDATES, TIE, search_auto
 from engine.planning.candidates import FROM_COSTS
 from engine.planning.plan import Plan
 from engine.planning.search import plan
@@ -28,16 +30,53 @@ def _auto(world: int = 4, microbatches: int = 8) -> Plan:
                 microbatches=microbatches, schedule="auto")
 
 
-def test_auto_picks_the_fastest_candidate_and_lists_them() -> None:
+def test_auto_picks_the_earliest_near_fastest_candidate_and_lists_them() -> None:
     p = _auto()
     names = [name for name, _, _ in p.considered]
     assert sorted(names) == sorted(CANDIDATES)  # every built-in, each once
     times = [t for _, _, t in p.considered]
-    assert times == sorted(times) and p.predicted_step_time == times[0] and p.schedule == names[0]
+    assert times == sorted(times) and p.predicted_step_time <= times[0] * (1 + TIE)
+    near = [name for name, _, t in p.considered if t <= times[0] * (1 + TIE)]
+    assert p.schedule == min(near, key=CANDIDATES.index)  # the earliest of the near-ties
     text = str(p)
     assert 'schedule="auto" considered (predicted step):' in text
     assert all(f"  {name}" in text for name in names)
     assert Plan.from_json(p.to_json()) == p
+
+
+@attrs.frozen
+class _Plan:
+    schedule: str
+    predicted_step_time: float
+    num_stages: int = 4
+    pipeline_depth: int = 2
+    dp: int = 1
+    microbatches: int = 8
+    considered: tuple = ()
+
+
+@attrs.frozen
+class _Planned:
+    plan: _Plan
+
+
+@pytest.mark.parametrize("times,chosen", [
+    ({"1f1b": 10.0, "zbv": 9.95, "dualpipev": 9.94}, "1f1b"),        # all within 1 %: the simplest
+    ({"1f1b": 10.0, "zbv": 9.0, "dualpipev": 8.95}, "zbv"),          # zbv and dualpipev tie: the earlier
+    ({"1f1b": 10.0, "zbv": 9.0, "dualpipev": 8.0}, "dualpipev"),     # a clear winner
+    ({"gpipe": 10.0, "zbv": float("nan")}, "gpipe"),                 # zbv does not fit
+])
+def test_auto_takes_the_earliest_candidate_within_the_tie(times: dict[str, float], chosen: str) -> None:
+    def search(*_: object, schedule: str, **__: object) -> _Planned:
+        if schedule not in times or times[schedule] != times[schedule]:
+            raise SplitError(f"{schedule} does not fit")
+        return _Planned(_Plan(schedule, times[schedule]))
+
+    picked = search_auto(search, None, None, workshop=None).plan
+    assert picked.schedule == chosen
+    listed = [(name, t) for name, _, t in picked.considered]
+    assert [t for _, t in listed] == sorted(t for _, t in listed)
+    assert {name for name, t in listed if t != float("inf")} == {s for s, t in times.items() if t == t}
 
 
 def test_zero_bubble_orders_are_built_from_the_plan_costs() -> None:
