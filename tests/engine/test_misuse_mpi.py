@@ -72,7 +72,7 @@ SAME: dict[str, tuple[str, str]] = {
     "batch_does_not_split": ("PlanError", "batch size 64 does not split into dp x microbatches equal parts "
                              "(microbatches=5, dp=None, world_size=2); valid microbatch counts: dp 1: [1, 2, 4, 8, 16, "
                              "32, 64]; pass the full batch, with a size that dp x microbatches divides"),
-    "ranks_choose_other_options": ("RuntimeMismatchError", "re:" + other_plan(r"plan \([a-z_, ]+\), traced graph and schedule table")),
+    "ranks_choose_other_options": ("RuntimeMismatchError", "re:" + other_plan(r"plan \([a-z_, ]+\), schedule table and traced graph")),
     # the loss contract
     "integer_loss": ("TraceError", f"loss_fn returns a loss of type i64[]; {CONTRACT}: an integer or bool value has "
                      "no gradient; compute the loss in floating point"),

@@ -100,12 +100,14 @@ def test_torchrun_on_two_hosts_meets_over_the_veth_and_matches_one_process(hosts
                   "--rdzv-endpoint", f"{hosts['addr_a']}:{port}", "--rdzv-conf", f"is_host={is_host}",
                   "--local-addr", addr,
                   "--max-restarts", "0", "tests/mpi/netns_job.py")
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        # stderr apart: torchrun's C++ warnings there could land inside a rank's OK line on a shared pipe
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=240)[0])
+            stdout, stderr = p.communicate(timeout=240)
+            outs.append(stdout + "\n--- stderr ---\n" + stderr)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -38,9 +38,10 @@ def main() -> int:
             err = max(((g - r).norm() / max(r.norm(), 1e-300)).item() for g, r in pairs)
             good = err <= 1e-12 and len(pairs) > 0
             ok &= good
-            print(f"{'OK' if good else 'FAIL'} rank {world.rank} of {world.size} {cfg} iface "
-                  f"{os.environ.get('GLOO_SOCKET_IFNAME')} master {os.environ.get('MASTER_ADDR')} "
-                  f"max rel err {err:.1e}", flush=True)
+            line = (f"{'OK' if good else 'FAIL'} rank {world.rank} of {world.size} {cfg} iface "
+                    f"{os.environ.get('GLOO_SOCKET_IFNAME')} master {os.environ.get('MASTER_ADDR')} "
+                    f"max rel err {err:.1e}\n")
+            os.write(1, line.encode())  # one write: two ranks of a node share the pipe, lines must not interleave
     return 0 if ok else 1
 
 
