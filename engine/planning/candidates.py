@@ -83,7 +83,10 @@ class Candidates:
         return self.workshop.graph(size)
 
     def differentiate(self, size: int) -> Callable[[ir.Stage, bool | str], ir.StageAD]:
-        return lambda stage, recompute: self.workshop.autodiff(size, stage, recompute)
+        """Stage autodiff for costing at this microbatch size: joints stitched from the fine blocks' (see
+        `Workshop.costing`), so each distinct block is traced once whatever stages the search tries."""
+        pieces = self.blocks(size, True).bounds
+        return lambda stage, recompute: self.workshop.costing(size, stage, recompute, pieces)
 
     def blocks(self, size: int, fine: bool, *, exact: bool = False, split_bw: bool = False) -> Blocks:
         """Blocks at this microbatch size, with estimated costs or (`exact`) costs from stage autodiff
