@@ -30,42 +30,43 @@ from .slicing import REDETACH, Stage
 
 @attrs.frozen(eq=False)
 class Piece:
-    """One block of a stage as a graph of its own core: `keys_in[i]` / `keys_out[j]` name the model value
-    each core input / output is (an index into the model graph's `defined()`, or ("out", j): the
-    model's j-th output)."""
+    """One block of a stage as a graph of its own core: `keys_in[i]` / `keys_out[j]` are the model graph's
+    values each core input / output is (a value a block re-detaches stands for the value it detaches)."""
 
     graph: Graph
-    keys_in: tuple[Any, ...]
-    keys_out: tuple[Any, ...]
+    keys_in: tuple[Var, ...]
+    keys_out: tuple[Var, ...]
     constant: tuple[int, ...]          # core inputs that are batch leaves (never differentiated)
     constant_outputs: tuple[int, ...]  # core outputs that are the loss function's aux values
 
 
-def stage_keys(stage: Stage) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """The model value each of a stage graph's inputs and outputs is."""
-    ins = (*stage.param_ids, *stage.batch_ids, *stage.acts_in)
-    extra = len(stage.graph.outputs) - len(stage.acts_out)
-    return ins, (*stage.acts_out, *[("out", j) for j in range(extra)])
+def _sources(g: Graph) -> dict[Var, Var]:
+    """Each re-detached received value (ir.split) -> the value it detaches."""
+    return {e.outputs[0]: e.inputs[0] for e in g.eqns if e.source == REDETACH}  # type: ignore[misc]
+
+
+def _key(src: dict[Var, Var], v: Any) -> Any:
+    return src.get(v, v)
 
 
 def piece_of(block: Stage) -> Piece:
-    """A block's core: its equations (less the re-detaches of received values it only passes on), the inputs they read and
-    the outputs they make; values that only pass through the block are left to the stitching."""
+    """A block's core: its equations (less the re-detaches of received values it only passes on), the inputs
+    they read and the outputs they make; values that only pass through the block are left to the stitching."""
     g = block.graph
     used = {v for e in g.eqns for v in e.inputs}
     eqns = tuple(e for e in g.eqns if not (e.source == REDETACH and not set(e.out_vars) & used))
     read = {v for e in eqns for v in e.inputs}
     made = {v for e in eqns for v in e.out_vars}
-    keys_in, keys_out = stage_keys(block)
-    n_consts = len(block.param_ids), len(block.param_ids) + len(block.batch_ids)
+    n_params, n_batch = len(block.param_ids), len(block.batch_ids)
     ins = [i for i, v in enumerate(g.inputs) if v in read]
     outs = [j for j, v in enumerate(g.outputs) if isinstance(v, Var) and v in made]
     core = Graph(tuple(g.inputs[i] for i in ins), eqns, tuple(g.outputs[j] for j in outs),
-                 num_params=sum(1 for i in ins if i < n_consts[0]))
-    aux = {("out", j) for j in range(1, len(keys_out))} if block.is_last else set()
-    return Piece(core, tuple(keys_in[i] for i in ins), tuple(keys_out[j] for j in outs),
-                 tuple(k for k, i in enumerate(ins) if n_consts[0] <= i < n_consts[1]),
-                 tuple(k for k, j in enumerate(outs) if keys_out[j] in aux))
+                 num_params=sum(1 for i in ins if i < n_params))
+    aux = len(block.acts_out) + 1 if block.is_last else len(g.outputs)  # a loss function's aux outputs from here
+    src = _sources(g)
+    return Piece(core, tuple(g.inputs[i] for i in ins), tuple(_key(src, g.outputs[j]) for j in outs),
+                 tuple(k for k, i in enumerate(ins) if n_params <= i < n_params + n_batch),
+                 tuple(k for k, j in enumerate(outs) if j >= aux))
 
 
 def _ancestors(g: Graph, targets: Sequence[Any]) -> set[int]:
@@ -121,7 +122,8 @@ def stitched_joint(stage: Stage, pieces: Sequence[Piece], joints: Sequence[Graph
     each piece's traced joint (`joints[k]`, differentiated in its own float inputs and outputs except its
     `constant` and `constant_outputs`)."""
     g = stage.graph
-    keys_in, keys_out = stage_keys(stage)
+    src = _sources(g)
+    keys_in, keys_out = g.inputs, tuple(_key(src, v) for v in g.outputs)
     ins = tuple(Var(v.aval) for v in g.inputs)
     cts = tuple(Var(g.outputs[j].aval) for j in diff_out)  # type: ignore[union-attr]
     env: dict[Any, Any] = dict(zip(keys_in, ins))
@@ -135,8 +137,7 @@ def stitched_joint(stage: Stage, pieces: Sequence[Piece], joints: Sequence[Graph
             b.copy(jg.eqns[i], rename)
         env.update((k, rename.get(o, o)) for k, o in zip(piece.keys_out, jg.outputs[:n_out]))
         renames.append((rename, forward))
-    prod = g.producers()
-    redetached = {j for j, v in enumerate(g.outputs) if v in prod and g.eqns[prod[v]].source == REDETACH}
+    redetached = {j for j, v in enumerate(g.outputs) if v in src}
     # a received value the stage only detaches and passes on gets no grad from its cotangent
     sums: dict[Any, Any] = {keys_out[j]: c for j, c in zip(diff_out, cts) if j not in redetached}
     for piece, jg, (rename, forward) in reversed(list(zip(pieces, joints, renames))):

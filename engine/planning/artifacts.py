@@ -208,9 +208,19 @@ class Planned:
 
     plan: Plan
     graph: ir.Graph
-    stages: tuple[StageInfo, ...]
+    _stages: tuple[StageInfo, ...] | Callable[[], tuple[StageInfo, ...]]  # or how to build them, on first use
     table: schedules.Table
     finish: Callable[[Any, int], Any] | None = None  # a deferred aux's second half (ir.deferred), run by the Step
+    _built: dict[str, tuple[StageInfo, ...]] = attrs.field(factory=dict, init=False, repr=False)
+
+    @property
+    def stages(self) -> tuple[StageInfo, ...]:
+        """Every stage with its F/B/W programs. The planner costs stages on stitched joints (`Workshop.costing`)
+        and hands these over unbuilt: each stage's joint is traced here, when a Step or a tool first asks,
+        so `engine.plan` (the Plan alone) never traces one."""
+        if "stages" not in self._built:
+            self._built["stages"] = self._stages() if callable(self._stages) else self._stages
+        return self._built["stages"]
 
     @property
     def num_params(self) -> int:
