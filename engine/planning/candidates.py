@@ -67,6 +67,7 @@ class Candidates:
         self.fused_recompute = fused_recompute  # the compiler fuses cheap recomputation: see recompute.settle
         self.schedule, self.build, self.model, self.memory, self.limit = schedule, build, model, memory, limit
         self.min_blocks = min_blocks
+        self.traced = False  # cost stages on their own traced joints (set for fixed cuts), not stitched ones
         self._zero: dict[Layout, bool] = {}  # "auto": the layouts that fit only with ZeRO-1
         self._blocks: dict[tuple[int, bool, bool, bool], Blocks] = {}
         self._exact: dict[int, dict[tuple[int, int, bool], StageCost]] = {}
@@ -85,6 +86,8 @@ class Candidates:
     def differentiate(self, size: int) -> Callable[[ir.Stage, bool | str], ir.StageAD]:
         """Stage autodiff for costing at this microbatch size: joints stitched from the fine blocks' (see
         `Workshop.costing`), so each distinct block is traced once whatever stages the search tries."""
+        if self.traced:  # the user's cuts: the stages costed are the plan's, whose programs are traced anyway
+            return lambda stage, recompute: self.workshop.autodiff(size, stage, recompute)
         pieces = self.blocks(size, True).bounds
         return lambda stage, recompute: self.workshop.costing(size, stage, recompute, pieces)
 

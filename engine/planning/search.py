@@ -310,6 +310,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
                          min_blocks=max(c.num_stages for c in candidates), recompute=recompute,
                          fused_recompute=fused_recompute)
     if cuts is not None:
+        planner.traced = True
         return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
     ranked, reasons = _rank_layouts(planner, candidates)
     best = _first_fitting(planner, ranked, reasons)
