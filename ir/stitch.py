@@ -108,9 +108,8 @@ class _Builder:
         return sums[key] if key in sums else self.op("aten.zeros_like.default", like)
 
 
-def _unused_grad(jg: Graph, grad: Any, slot: int) -> bool:
+def _unused_grad(jg: Graph, prod: dict[Var, int], grad: Any, slot: int) -> bool:
     """A piece's grad that is `zeros_like` of its own input: the input does not reach an output."""
-    prod = jg.producers()
     e = jg.eqns[prod[grad]] if isinstance(grad, Var) and grad in prod else None
     return e is not None and e.op == "aten.zeros_like.default" and e.inputs[:1] == (jg.inputs[slot],)
 
@@ -150,8 +149,9 @@ def stitched_joint(stage: Stage, pieces: Sequence[Piece], joints: Sequence[Graph
         for i, e in enumerate(jg.eqns):
             if i not in forward:
                 b.copy(e, rename)
+        prod = jg.producers()
         for grad, i in zip(jg.outputs[n_out:], p_in):
-            if not _unused_grad(jg, grad, i):
+            if not _unused_grad(jg, prod, grad, i):
                 b.accumulate(sums, piece.keys_in[i], rename.get(grad, grad))
     outs = tuple(v if isinstance(v, Literal) else env[k] for k, v in zip(keys_out, g.outputs))
     grads = tuple(b.total(sums, keys_in[i], ins[i]) for i in diff_in)

@@ -5,6 +5,13 @@ trace per microbatch size, one `ir.stage_autodiff` per (microbatch size, equatio
 whatever cut sets the splitter, the exact costing or the assembly ask for. `Planned` is the chosen
 Plan together with its graph, its stages' F/B/W programs and its lowered, validated table: execution
 assembles programs from it without tracing or differentiating again.
+
+Two kinds of joint graphs, for two uses. The search costs hundreds of candidate stages; tracing each
+one's joint (make_fx, about a millisecond per ATen op: 7 s for five 70 B layers) was most of planning.
+`costing` differentiates a candidate on a joint stitched from its blocks' traced joints (`ir.stitch`:
+each distinct block traced once, the same equations, tests/engine/test_stitch.py holds the costs equal).
+The programs that run come from each chosen stage's own traced joint (`stages`), built when a Step first
+asks for them (`Planned.stages`), so `engine.plan` never traces a stage and execution is as before.
 """
 from __future__ import annotations
 
