@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from .autodiff import _joint, diff_positions
 from .core import Eqn, Graph, Literal, Var
 from .slicing import REDETACH, Stage
 
@@ -159,14 +160,10 @@ def stitched_joint(stage: Stage, pieces: Sequence[Piece], joints: Sequence[Graph
 
 
 def _diff(piece: Piece) -> tuple[list[int], list[int]]:
-    from .autodiff import diff_positions  # the rule stage autodiff differentiates by
-
-    return diff_positions(piece.graph, piece.constant, piece.constant_outputs)
+    return diff_positions(piece.graph, piece.constant, piece.constant_outputs)  # stage autodiff's rule
 
 
 def piece_joint(piece: Piece, device: str | None, joints: MutableMapping[Any, Graph] | None) -> Graph:
     """The traced joint of one piece (through the cache `joints`, keyed by the piece's printed core)."""
-    from .autodiff import _joint
-
     diff_in, diff_out = _diff(piece)
     return _joint(piece.graph, diff_in, diff_out, device, joints)
