@@ -7,7 +7,7 @@ The model is transformers' own, unmodified, from a Llama-2-7B-shaped config (32 
 SwiGLU 11008, 32 heads, vocab 32000), in bf16, with its own loss from `labels`; `engine.functionalize`
 makes it a pure function and `engine.plan` (one CPU process, fake tensors) picks stages, dp and
 microbatches ("auto") for `--world` GPUs of the `--device` profile. Prints the seconds tracing and
-planning took, the plan, and the peak RSS (benchmarks/plan_scale.py's `timed_plan`).
+planning took, the plan, and the peak RSS.
 
 On a CPU-only torch build the graph is traced for the CPU under the GPU's profile (same ops, attention
 one `scaled_dot_product_attention`, same costs): tracing transformers' models for "cuda" there fails in
@@ -17,6 +17,7 @@ for cuda devices"), which a CUDA build does not.
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -25,11 +26,9 @@ import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine  # noqa: E402
 from engine.planning.devices import get_device  # noqa: E402
-import plan_scale  # noqa: E402
 
 LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, use_cache=False)
@@ -60,12 +59,16 @@ def main() -> None:
     ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     params = sum(p.numel() for p in model.parameters())
     print(f"LlamaForCausalLM {params / 1e9:.2f} B params on meta, built in {time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
     profile = get_device(args.device)
     if not torch.cuda.is_available():  # see the module docstring
         profile = attrs.evolve(profile, kind="cpu")
-    run = lambda: engine.plan(fn, variables, ids, ids, world_size=args.world, device=profile,  # noqa: E731
-                              link=args.link, schedule=args.schedule, stages="auto", dp="auto", microbatches="auto")
-    plan_scale.timed_plan(run, f"LlamaForCausalLM 7B, {args.world} x {args.device}")
+    plan = engine.plan(fn, variables, ids, ids, world_size=args.world, device=profile, link=args.link,
+                       schedule=args.schedule,
+                       stages="auto", dp="auto", microbatches="auto")
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"planned for {args.world} x {args.device} in {seconds:.1f} s (peak RSS {rss:.2f} GiB)\n{plan}")
 
 
 if __name__ == "__main__":
