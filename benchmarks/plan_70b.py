@@ -4,6 +4,8 @@ params, fp32 master weights and fp32 Adam moments; print the plan, the planning 
     PYTHONPATH=. python benchmarks/plan_70b.py                       # the issue's target: <= 60 s, <= 2 GB RSS
     PYTHONPATH=. python benchmarks/plan_70b.py --layers 8 --world 128 # smaller, for a quick look
 
+(the flags and the runner are benchmarks/plan_scale.py's, with every count "auto" here).
+
 The model (Llama-2-70B's shape): 80 layers, d 8192, 64 heads of 128 with 8 kv heads (GQA), SwiGLU
 28672, vocab 32000, RMSNorm, RoPE, causal attention; batch 1,024 sequences of 4,096 tokens (4 M
 tokens a step). Nothing is allocated: params and batch are meta tensors, the planner traces under
@@ -12,15 +14,9 @@ layout fits only so.
 """
 from __future__ import annotations
 
-import argparse
-import resource
-import time
-
 import torch
 import torch.nn.functional as F
 
-import engine
-from engine.planning.recipe import Recipe
 
 
 def config(layers: int = 80, d: int = 8192, heads: int = 64, kv_heads: int = 8, ffn: int = 28672,
@@ -77,35 +73,12 @@ def make_loss(cfg: dict):  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=80)
-    ap.add_argument("--world", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--device", default="h100")
-    ap.add_argument("--stages", default="auto")
-    ap.add_argument("--dp", default="auto")
-    ap.add_argument("--microbatches", default="auto")
-    ap.add_argument("--recompute", default="auto", choices=["auto", "true", "false"])
-    args = ap.parse_args()
-    count = lambda v: v if v == "auto" else int(v)  # noqa: E731
-    cfg = config(layers=args.layers)
-    params = params_of(cfg, args.seq)
-    tokens = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
-    recipe = Recipe(optimizer="adamw", master_dtype=torch.float32, shard_optimizer="auto")
-    numel = sum(x.numel() for x in torch.utils._pytree.tree_leaves(params))
-    t0 = time.perf_counter()
-    plan = engine.plan(make_loss(cfg), params, tokens, tokens, world_size=args.world, device=args.device,
-                       stages=count(args.stages), dp=count(args.dp), microbatches=count(args.microbatches),
-                       recipe=recipe, recompute={"auto": "auto", "true": True, "false": False}[args.recompute])
-    seconds = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-    print(plan)
-    fits = max(plan.rank_memory) <= plan.memory_limit
-    print(f"\n{numel / 1e9:.1f} B params, {args.world} x {args.device}: planned in {seconds:.1f} s, peak RSS "
-          f"{rss:.2f} GiB; layout {plan.pipeline_depth} stages x dp {plan.dp}, {plan.microbatches} microbatches, "
-          f"ZeRO-1 {plan.shard_optimizer}; largest rank {max(plan.rank_memory) / 2**30:.1f} GiB of "
-          f"{plan.memory_limit / 2**30:.1f} GiB: {'fits' if fits else 'DOES NOT FIT'}")
+    """`plan_scale.py --target llama70b` with every count "auto" by default (one runner for every plan_*.py)."""
+    import plan_scale
+
+    ap = plan_scale.parser(__doc__.splitlines()[0])
+    ap.set_defaults(target="llama70b", stages="auto", dp="auto", microbatches="auto", recompute="auto")
+    plan_scale.run_target(ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def _joint(g: Graph, diff_in: list[int], diff_out: list[int], device: str | None
     """`_trace_joint`, through the cache `joints` when one is given."""
     if joints is None:
         return _trace_joint(g, diff_in, diff_out, device)
-    key = (str(g), tuple(diff_in), tuple(diff_out), device)
+    key = joint_key(g, diff_in, diff_out, device)
     if key not in joints:
         joints[key] = _trace_joint(g, diff_in, diff_out, device)
     return joints[key]
@@ -373,10 +373,7 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: 
     """
     level = recompute_level(recompute)
     n_in = len(g.inputs)
-    skip = set(constant)
-    diff_in = [i for i, v in enumerate(g.inputs) if _differentiable(v) and i not in skip]
-    diff_out = [j for j, v in enumerate(g.outputs) if isinstance(v, Var) and _differentiable(v)
-                and j not in set(constant_outputs)]
+    diff_in, diff_out = diff_positions(g, constant, constant_outputs)
     jg = _own_grads(_joint(g, diff_in, diff_out, device, joints), len(g.outputs))
     outs = list(jg.outputs[: len(g.outputs)])
     grads = list(jg.outputs[len(g.outputs):])
@@ -404,6 +401,20 @@ def stage_autodiff(g: Graph, *, constant: Sequence[int] = (), constant_outputs: 
     fused = _part(jg, b_part | w_part, slot, list(dict.fromkeys(act_grads + param_grads)), rb | rw)
     grad_slots, ct_slots, avals = _slot_tables(slot, n_in, len(g.outputs), diff_in, grads, diff_out)
     return StageAD(fwd, bwd, wgt, len(slot), tuple(slot[v] for v in outs), ct_slots, grad_slots, avals, fused)
+
+
+def diff_positions(g: Graph, constant: Sequence[int] = (), constant_outputs: Sequence[int] = ()
+                   ) -> tuple[list[int], list[int]]:
+    """The inputs stage autodiff differentiates (float, not `constant`) and the outputs that get a
+    cotangent (float, not `constant_outputs`)."""
+    skip, fixed = set(constant), set(constant_outputs)
+    return ([i for i, v in enumerate(g.inputs) if _differentiable(v) and i not in skip],
+            [j for j, v in enumerate(g.outputs) if isinstance(v, Var) and _differentiable(v) and j not in fixed])
+
+
+def joint_key(g: Graph, diff_in: Sequence[int], diff_out: Sequence[int], device: str | None) -> tuple[Any, ...]:
+    """What a traced joint depends on: the key of the `joints` cache `stage_autodiff` reads."""
+    return (str(g), tuple(diff_in), tuple(diff_out), device)
 
 
 def _slot_tables(slot: dict, n_in: int, n_out: int, diff_in: Sequence[int], grads: Sequence[Any],

@@ -98,10 +98,10 @@ def _quiet(names: Sequence[str]) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _make_fx(flat_fn: Callable, leaves: list[FakeTensor], names: Sequence[str], functional: bool
-             ) -> torch.fx.GraphModule:
+def _make_fx(flat_fn: Callable, leaves: list[FakeTensor], names: Sequence[str], functional: bool,
+             stacks: bool = False) -> torch.fx.GraphModule:
     kwargs: dict[str, Any] = {"tracing_mode": "fake", "pre_dispatch": True}
-    if "record_stack_traces" in inspect.signature(make_fx).parameters:
+    if stacks and "record_stack_traces" in inspect.signature(make_fx).parameters:
         kwargs["record_stack_traces"] = True
     gm = make_fx(functionalized(flat_fn, names) if functional else flat_fn, **kwargs)(*leaves)
     gm.graph.eliminate_dead_code()  # the views functionalization regenerates after a write, unread
@@ -127,6 +127,9 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
     out-of-place form); one that writes through a view whose base or other views are read later (slice
     assignment, `copy_` into a view, T5's `_shift_right`) is traced again through PyTorch's
     functionalization (ir.functional). Writes into params or batch are refused either way.
+
+    Source lines (make_fx's stack traces: about 40 % of a trace's time) are recorded only when a trace
+    fails: it runs again with them, so the error names the user's line.
     """
     problem = not_a_function(fn, "ir.trace")
     if problem:
@@ -145,19 +148,25 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
         out_tree.append(spec)
         return out
 
-    def attempt(functional: bool) -> Graph:
+    def attempt(functional: bool, stacks: bool) -> Graph:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_quiet(_TORCH_LOGGERS))
             stack.enter_context(mode)
             stack.enter_context(exporting())
-            gm = _make_fx(flat_fn, leaves, names, functional)
+            gm = _make_fx(flat_fn, leaves, names, functional, stacks)
         return _graph(gm, names, num_params, in_tree, out_tree[-1], functional)
+
+    def traced(stacks: bool) -> Graph:
+        try:
+            return attempt(False, stacks)  # the graph as written: in-place ops on fresh values rewritten
+        except NeedsFunctionalization:  # a write through a view: PyTorch's functionalization replays it
+            return attempt(True, stacks)
 
     try:
         try:
-            return attempt(functional=False)  # the graph as written: in-place ops on fresh values rewritten
-        except NeedsFunctionalization:  # a write through a view: PyTorch's functionalization replays it
-            return attempt(functional=True)
+            return traced(stacks=False)
+        except Exception:  # noqa: BLE001 - the same trace with source lines, for the error to name them
+            return traced(stacks=True)
     except ImpureError as err:  # run the function once more to find the line that drew or wrote
         with _quiet(_TORCH_LOGGERS), mode:
             at, op = locate(err.kind, lambda: flat_fn(*leaves), leaves)

@@ -5,6 +5,13 @@ trace per microbatch size, one `ir.stage_autodiff` per (microbatch size, equatio
 whatever cut sets the splitter, the exact costing or the assembly ask for. `Planned` is the chosen
 Plan together with its graph, its stages' F/B/W programs and its lowered, validated table: execution
 assembles programs from it without tracing or differentiating again.
+
+Two kinds of joint graphs, for two uses. The search costs hundreds of candidate stages; tracing each
+one's joint (make_fx, about a millisecond per ATen op: 7 s for five 70 B layers) was most of planning.
+`costing` differentiates a candidate on a joint stitched from its blocks' traced joints (`ir.stitch`:
+each distinct block traced once, the same equations, tests/engine/test_stitch.py holds the costs equal).
+The programs that run come from each chosen stage's own traced joint (`stages`), built when a Step first
+asks for them (`Planned.stages`), so `engine.plan` never traces a stage and execution is as before.
 """
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ from torch.utils import _pytree as pytree
 
 import ir
 import schedules
-from ir.autodiff import recompute_level
+from ir import stitch
+from ir.autodiff import diff_positions, joint_key, recompute_level
 
 from ..errors import PlanError
 from .plan import Plan
@@ -93,6 +101,11 @@ class Workshop:
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike: dict[tuple[Any, ...], ir.StageAD] = {}
         self._joints: dict[Any, ir.Graph] = {}  # traced joints, shared by a stage's recompute levels
+        # costing only (`costing`): blocks as pieces, joints stitched from theirs, the programs of those
+        self._pieces: dict[tuple[int, tuple[int, ...]], dict[int, tuple[int, stitch.Piece]]] = {}
+        self._stitched: dict[Any, ir.Graph] = {}
+        self._costed: dict[tuple[Any, ...], ir.StageAD] = {}
+        self._alike_costed: dict[tuple[Any, ...], ir.StageAD] = {}
 
     def graph(self, size: int) -> ir.Graph:
         """The graph of one microbatch of `size` rows, checked against the loss contract (`ir.check_loss`)."""
@@ -117,6 +130,46 @@ class Workshop:
             self._ads[key] = self._alike[alike]
         return self._ads[key]
 
+    def costing(self, size: int, stage: ir.Stage, recompute: bool | str, bounds: Sequence[int]) -> ir.StageAD:
+        """Stage autodiff for costing a candidate stage: of a joint stitched from the traced joints of the
+        pieces (blocks between `bounds`, equation indices) it spans (`ir.stitch`), so a stage of N alike
+        layers costs one layer's trace (a piece is traced without the values that only pass through it, so
+        blocks alike but for those share it too). A stage whose cuts are not among `bounds` is traced
+        (`autodiff`). What runs is always traced: `stages` never reads these."""
+        level = recompute_level(recompute)
+        key = (size, _signature(stage), level)
+        if key in self._ads:
+            return self._ads[key]
+        pieces = self._pieces_in(size, tuple(bounds), stage)
+        if pieces is None:
+            return self.autodiff(size, stage, level)
+        if key not in self._costed:
+            alike = (str(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
+                     stage.is_last, level)
+            if alike not in self._alike_costed:
+                self._alike_costed[alike] = self._stitch(stage, pieces, level)
+            self._costed[key] = self._alike_costed[alike]
+        return self._costed[key]
+
+    def _pieces_in(self, size: int, bounds: tuple[int, ...], stage: ir.Stage) -> list[stitch.Piece] | None:
+        if (size, bounds) not in self._pieces:
+            blocks = ir.split(self.graph(size), bounds[1:-1])
+            self._pieces[(size, bounds)] = {b.start: (b.stop, stitch.piece_of(b)) for b in blocks}
+        at, out, start = self._pieces[(size, bounds)], [], stage.start
+        while start < stage.stop and start in at:
+            start, piece = at[start]
+            out.append(piece)
+        return out if start == stage.stop and out else None
+
+    def _stitch(self, stage: ir.Stage, pieces: Sequence[stitch.Piece], level: bool | str) -> ir.StageAD:
+        constant, aux = stage_constants(stage)
+        diff_in, diff_out = diff_positions(stage.graph, constant, aux)
+        key = joint_key(stage.graph, diff_in, diff_out, self.device)
+        if key not in self._stitched:
+            joints = [stitch.piece_joint(p, self.device, self._joints) for p in pieces]
+            self._stitched[key] = stitch.stitched_joint(stage, pieces, joints, diff_in, diff_out)
+        return autodiff(stage, level, device=self.device, joints=self._stitched)
+
     def stages(self, size: int, cuts: Sequence[int], recompute: Sequence[bool | str] = (),
                remat: Sequence[bool] = ()) -> tuple[StageInfo, ...]:
         """Every stage of `graph(size)` cut before the equations `cuts`, with its programs (stage k at
@@ -131,14 +184,22 @@ def level_at(recompute: Sequence[bool | str], k: int, remat: Sequence[bool] = ()
     return "cheap" if level is False and k < len(remat) and remat[k] else level
 
 
+def stage_constants(stage: ir.Stage) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What a stage's autodiff holds constant: its batch leaves and the received values that carry no
+    gradient (`frozen_in`: RoPE's tables, masks) among its inputs; among its outputs the sent values that
+    carry none (`frozen_out`) and, on the last stage, the loss function's aux outputs."""
+    n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
+    aux = range(len(stage.acts_out) + 1, len(stage.graph.outputs)) if stage.is_last else range(0)
+    inputs = (*range(n_params, n_params + n_batch), *(n_params + n_batch + k for k in stage.frozen_in))
+    return inputs, (*stage.frozen_out, *aux)
+
+
 def autodiff(stage: ir.Stage, recompute: bool | str = False, *, device: str | None = None,
              joints: dict[Any, ir.Graph] | None = None) -> ir.StageAD:
     """`ir.stage_autodiff` of a stage, its params differentiated, its batch leaves and (last stage) the loss
     function's aux outputs constant (`device`: where the programs will run; None, the graph's own)."""
-    n_params, n_batch = len(stage.param_ids), len(stage.batch_ids)
-    aux = range(len(stage.acts_out) + 1, len(stage.graph.outputs)) if stage.is_last else range(0)
-    constant = [*range(n_params, n_params + n_batch), *(n_params + n_batch + k for k in stage.frozen_in)]
-    return ir.stage_autodiff(stage.graph, constant=constant, constant_outputs=[*stage.frozen_out, *aux],
+    constant, aux = stage_constants(stage)
+    return ir.stage_autodiff(stage.graph, constant=constant, constant_outputs=aux,
                              device=device, recompute=recompute, joints=joints)
 
 
@@ -156,9 +217,19 @@ class Planned:
 
     plan: Plan
     graph: ir.Graph
-    stages: tuple[StageInfo, ...]
+    _stages: tuple[StageInfo, ...] | Callable[[], tuple[StageInfo, ...]]  # or how to build them, on first use
     table: schedules.Table
     finish: Callable[[Any, int], Any] | None = None  # a deferred aux's second half (ir.deferred), run by the Step
+    _built: dict[str, tuple[StageInfo, ...]] = attrs.field(factory=dict, init=False, repr=False)
+
+    @property
+    def stages(self) -> tuple[StageInfo, ...]:
+        """Every stage with its F/B/W programs. The planner costs stages on stitched joints (`Workshop.costing`)
+        and hands these over unbuilt: each stage's joint is traced here, when a Step or a tool first asks,
+        so `engine.plan` (the Plan alone) never traces one."""
+        if "stages" not in self._built:
+            self._built["stages"] = self._stages() if callable(self._stages) else self._stages
+        return self._built["stages"]
 
     @property
     def num_params(self) -> int:

@@ -67,6 +67,9 @@ class Candidates:
         self.fused_recompute = fused_recompute  # the compiler fuses cheap recomputation: see recompute.settle
         self.schedule, self.build, self.model, self.memory, self.limit = schedule, build, model, memory, limit
         self.min_blocks = min_blocks
+        self._tables: dict[Layout, schedules.Table] = {}
+        self._live: dict[int, tuple[schedules.Table, tuple[int, ...]]] = {}  # id(table) -> (table, its peak_live)
+        self.traced = False  # cost stages on their own traced joints (set for fixed cuts), not stitched ones
         self._zero: dict[Layout, bool] = {}  # "auto": the layouts that fit only with ZeRO-1
         self._blocks: dict[tuple[int, bool, bool, bool], Blocks] = {}
         self._exact: dict[int, dict[tuple[int, int, bool], StageCost]] = {}
@@ -83,7 +86,13 @@ class Candidates:
         return self.workshop.graph(size)
 
     def differentiate(self, size: int) -> Callable[[ir.Stage, bool | str], ir.StageAD]:
-        return lambda stage, recompute: self.workshop.autodiff(size, stage, recompute)
+        """Stage autodiff for costing at this microbatch size: joints stitched from the blocks' (fine and coarse
+        bounds both, see `Workshop.costing`), so each distinct block is traced once whatever stages the search
+        tries."""
+        if self.traced:  # the user's cuts: the stages costed are the plan's, whose programs are traced anyway
+            return lambda stage, recompute: self.workshop.autodiff(size, stage, recompute)
+        pieces = tuple(sorted(set(self.blocks(size, True).bounds) | set(self.blocks(size, False).bounds)))
+        return lambda stage, recompute: self.workshop.costing(size, stage, recompute, pieces)
 
     def blocks(self, size: int, fine: bool, *, exact: bool = False, split_bw: bool = False) -> Blocks:
         """Blocks at this microbatch size, with estimated costs or (`exact`) costs from stage autodiff
@@ -103,9 +112,23 @@ class Candidates:
                      differentiate=self.differentiate(size))
 
     def table(self, layout: Layout, stages: Sequence[StageCost] | None = None) -> schedules.Table:
-        """The layout's table; with `stages`, the zero-bubble family's order built for their costs."""
-        return build_table(self.build, self.schedule, layout.num_stages, layout.microbatches,
-                           dict(self.options(layout, stages)))
+        """The layout's table (built once per layout); with `stages`, the zero-bubble family's order built for
+        their costs."""
+        if stages is not None:
+            return build_table(self.build, self.schedule, layout.num_stages, layout.microbatches,
+                               dict(self.options(layout, stages)))
+        if layout not in self._tables:
+            self._tables[layout] = build_table(self.build, self.schedule, layout.num_stages, layout.microbatches,
+                                               dict(self.options(layout)))
+        return self._tables[layout]
+
+    def live(self, table: schedules.Table) -> tuple[int, ...]:
+        """`memory.peak_live(table)`, simulated once per table (the splitter asks for every split it tries;
+        at p = 128 one simulation takes seconds)."""
+        key = id(table)
+        if key not in self._live or self._live[key][0] is not table:
+            self._live[key] = (table, peak_live(table))
+        return self._live[key][1]
 
     def options(self, layout: Layout, stages: Sequence[StageCost] | None = None) -> tuple[tuple[str, Any], ...]:
         chosen = schedule_options(self.schedule, layout)
@@ -154,7 +177,7 @@ class Candidates:
         rc = self.recompute_costs(blocks, time_scale, saved_scale)
         budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
         labels = [_block_label(blocks, k) for k in range(blocks.num_blocks)]
-        return split_recompute(rc, layout.num_stages, mode=self.recompute, live=peak_live(table), budgets=budgets,
+        return split_recompute(rc, layout.num_stages, mode=self.recompute, live=self.live(table), budgets=budgets,
                                memory=self.memory_for(layout), names=labels)
 
     def recompute_costs(self, blocks: Blocks, time_scale: Sequence[float] | None = None,
@@ -167,7 +190,7 @@ class Candidates:
     def block_peaks(self, table: schedules.Table, blocks: Blocks, bounds: Sequence[int], recompute: Sequence[bool],
                     time_scale: Sequence[float], saved_scale: Sequence[float], layout: Layout | None = None) -> list[float]:
         """Each stage's peak as the splitter sees it (block sums), to compare with the exact one."""
-        rc, live = self.recompute_costs(blocks, time_scale, saved_scale), peak_live(table)
+        rc, live = self.recompute_costs(blocks, time_scale, saved_scale), self.live(table)
         mem = self.memory if layout is None else self.memory_for(layout)
         return [rc.peak(i, j, live[k], mem) if recompute[k] else rc.costs.stage_peak(i, j, live[k], mem)
                 for k, (i, j) in enumerate(zip(bounds, bounds[1:]))]

@@ -38,6 +38,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
+import numpy as np
 
 import schedules
 
@@ -131,22 +132,24 @@ def split(planner: Candidates, layout: Layout, table: schedules.Table, blocks: B
     live = routed.stage_peak_live
     weight = [1.0 / layout.counts[table.rank_of(s)] for s in range(n)]
 
-    def plain(s: int, i: int, j: int) -> bool:
-        return mode is not True and costs.stage_peak(i, j, live[s], memory) <= budgets[s]
+    def plain(s: int, i: Any, j: Any) -> Any:  # one range, or grids of index arrays (`partition(grid=True)`)
+        if mode is True:
+            return np.zeros(np.broadcast(i, j).shape, dtype=bool) if isinstance(i, np.ndarray) else False
+        return costs.stage_peak(i, j, live[s], memory) <= budgets[s]
 
-    def fits(s: int, i: int, j: int) -> bool:
-        return plain(s, i, j) or (mode is not False and rc.peak(i, j, live[s], memory) <= budgets[s])
+    def fits(s: int, i: Any, j: Any) -> Any:
+        return plain(s, i, j) | (rc.peak(i, j, live[s], memory) <= budgets[s]) if mode is not False else plain(s, i, j)
 
-    def time(s: int, i: int, j: int) -> float:
-        return (costs.stage_time(i, j) if plain(s, i, j) else rc.time(i, j)) * weight[s]
+    def time(s: int, i: Any, j: Any) -> Any:
+        return np.where(plain(s, i, j), costs.stage_time(i, j), rc.time(i, j)) * weight[s]
 
-    found = partition(costs.num_blocks, n, time, fits)
+    found = partition(costs.num_blocks, n, time, fits, grid=True)
     if found is None:
         raise SplitError(f"no split into {n} stages with replicas {layout.counts} fits the memory limit "
                          f"({nbytes(planner.limit)} per rank; each replica holds its whole stage); use more stages, "
                          "activation recomputation (recompute='auto'), or a smaller microbatch")
     b = found.bounds
-    return found, tuple(not plain(s, b[s], b[s + 1]) for s in range(n))
+    return found, tuple(not bool(plain(s, b[s], b[s + 1])) for s in range(n))
 
 
 def evaluate(planner: Candidates, layout: Layout, stages: tuple[StageCost, ...], table: schedules.Table, *,

@@ -310,6 +310,7 @@ def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, sched
                          min_blocks=max(c.num_stages for c in candidates), recompute=recompute,
                          fused_recompute=fused_recompute)
     if cuts is not None:
+        planner.traced = True
         return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
     ranked, reasons = _rank_layouts(planner, candidates)
     best = _first_fitting(planner, ranked, reasons)
@@ -382,5 +383,5 @@ def _chosen(planner: Candidates, cand: Candidate, equal_step_time: float = 0.0) 
             split_log.info("%s on stages %s (memory limit %s)", name, [k for k, r in enumerate(flags) if r],
                            nbytes(p.memory_limit or 0))
     size = p.microbatch_size
-    return Planned(p, planner.graph(size), planner.workshop.stages(size, p.cuts, p.recompute, p.remat),
+    return Planned(p, planner.graph(size), lambda: planner.workshop.stages(size, p.cuts, p.recompute, p.remat),
                    lowered_table(p, planner.build), planner.workshop.finish)

@@ -160,11 +160,11 @@ def split_costs(costs: BlockCosts, num_stages: int, *, live: Sequence[int], budg
 def infeasible_message(costs: BlockCosts, num_stages: int, *, live: Sequence[int], budgets: Sequence[float],
                        memory: MemoryModel, names: Sequence[str] = ()) -> str:
     """What the tightest split needs, which block is largest, and what would make it fit."""
-    def peak(s: int, i: int, j: int) -> float:
+    def peak(s: int, i: Any, j: Any) -> Any:  # one range, or grids of index arrays
         return costs.stage_peak(i, j, live[s], memory)
 
     # the split whose worst stage overshoots its budget least: what "needs at least" means
-    over = partition(costs.num_blocks, num_stages, lambda s, i, j: peak(s, i, j) - budgets[s])
+    over = partition(costs.num_blocks, num_stages, lambda s, i, j: peak(s, i, j) - budgets[s], grid=True)
     assert over is not None  # num_stages <= num_blocks was checked by the caller
     stage = max(range(num_stages), key=lambda s: peak(s, over.bounds[s], over.bounds[s + 1]) - budgets[s])
     need = peak(stage, over.bounds[stage], over.bounds[stage + 1])

@@ -335,10 +335,10 @@ def _retell(message: str, *, helps: bool) -> str:
 def _recompute_infeasible(rc: RecomputeCosts, num_stages: int, live: Sequence[int], budgets: Sequence[float],
                           memory: MemoryModel, names: Sequence[str]) -> str:
     """Like `split.infeasible_message`, for the smaller of each stage's peaks with and without recomputation."""
-    def peak(s: int, i: int, j: int) -> float:
-        return min(rc.costs.stage_peak(i, j, live[s], memory), rc.peak(i, j, live[s], memory))
+    def peak(s: int, i: Any, j: Any) -> Any:  # one range, or grids of index arrays
+        return np.minimum(rc.costs.stage_peak(i, j, live[s], memory), rc.peak(i, j, live[s], memory))
 
-    over = partition(rc.costs.num_blocks, num_stages, lambda s, i, j: peak(s, i, j) - budgets[s])
+    over = partition(rc.costs.num_blocks, num_stages, lambda s, i, j: peak(s, i, j) - budgets[s], grid=True)
     assert over is not None  # num_stages <= num_blocks was checked by the caller
     b = over.bounds
     stage = max(range(num_stages), key=lambda s: peak(s, b[s], b[s + 1]) - budgets[s])

@@ -1,8 +1,9 @@
 """Counts the expensive passes of one `engine.parallelize` on each rank (run under mpirun; see test_one_path).
 
 Prints one line per rank and case: `PASSES rank R CASE {json}` with the calls of ir.trace, stage autodiff
-(and how many distinct stages they were for), the schedule registry, the simulator, lowering and program
-emission (and for which world ranks), made while `parallelize` ran.
+(and how many distinct stages they were for), joint traces (the expensive part of stage autodiff: make_fx
+of `outputs, vjp(cotangents)`; and how many distinct graphs they traced), the schedule registry, the
+simulator, lowering and program emission (and for which world ranks), made while `parallelize` ran.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import engine  # noqa: E402
 import engine.execution.assemble as assemble_mod  # noqa: E402
 import ir  # noqa: E402
+import ir.autodiff as ir_autodiff  # noqa: E402
 import schedules  # noqa: E402
 
 
@@ -59,6 +61,7 @@ def counting() -> Counter:
     c.wrap(ir, "trace", "trace")
     c.wrap(ir, "stage_autodiff", "stage_autodiff",
            key=lambda g, **kw: (str(g), tuple(kw.get("constant", ())), bool(kw.get("recompute", False))))
+    c.wrap(ir_autodiff, "_trace_joint", "trace_joint", key=lambda g, diff_in, diff_out, device: (str(g), tuple(diff_in)))
     c.wrap(schedules, "get", "registry_get")
     c.wrap(schedules, "simulate", "simulate")
     c.wrap(schedules, "lower", "lower")
@@ -80,6 +83,7 @@ def main() -> None:
             c.restore()
         stages = c.keys["stage_autodiff"]
         record = {**c.calls, "distinct_stage_autodiff": len(set(stages)), "emitted_for": c.keys["emit"],
+                  "distinct_trace_joint": len(set(c.keys["trace_joint"])),
                   "num_stages": step.plan.num_stages}
         print(f"PASSES rank {step.world.rank} {name.replace(' ', '_')} {json.dumps(record, sort_keys=True)}",
               flush=True)
