@@ -34,7 +34,11 @@ from __future__ import annotations
 #   PyTorch's, for the same costs and memory (``tests/engine/test_torch_orders.py`` over p = 2, 4, 8 and
 #   m = p, 2p, 4p); the search is what wins where costs are uneven (stages of unequal cost, slow
 #   links: 2-14 % below PyTorch's order in ``benchmarks/torch_orders.py``). A seed's makespan is also
-#   the first bound of the search, so candidates worse than it are abandoned early.
+#   the first bound of the search, so candidates worse than it are abandoned early. From 256
+#   stage-microbatches up (16 stages x 16 microbatches) the last refinement round (72 runs) is left
+#   out: it took 42 s of one layout of a 16-stage, 32-microbatch zb-h1 plan (Llama-7B on 64 GPUs)
+#   and the seeds already keep the order no slower than PyTorch's. From 2,048 up (64 stages x 32
+#   microbatches) only the seeds are timed: the planner rebuilds the order for every split it tries.
 #
 # An exact solver (an ILP as in the ZB paper's appendix) finds optimal orders for small cases but
 # takes seconds to minutes per layout; the planner evaluates tens of layouts, and the portfolio above
@@ -58,6 +62,8 @@ __all__ = ["CostsOption", "build_from_costs", "costs_of", "option_costs", "order
 CostsOption = Costs | Sequence[object] | None  # what a schedule's ``costs=`` option takes
 _W_MODES = ("fill", "free", "key")  # see list_schedule
 _REFINE = 4  # the best urgency orders tried again under other memory limits, patience and reservation
+_LARGE = 256  # stage-microbatches from which only the urgency orders and their leads are tried (see below)
+_HUGE = 2048  # stage-microbatches from which only the seeds are timed: no list scheduling at all
 
 
 def parse_times(schedule: str, costs: CostsOption, num_stages: int) -> Times:
@@ -188,19 +194,28 @@ def build_from_costs(
     def best(count: int) -> list[dict[str, object]]:
         return [policy for *_, policy in sorted(tried, key=lambda r: r[:2])[:count]]
 
+    if found and len(stage_to_rank) * num_microbatches >= _HUGE:  # 64 stages x 512 microbatches: 100 k actions
+        return _best(found, tried, live_limit, stage_to_rank)    # a run, rebuilt for every split tried
     run([{"key": key, "w_mode": mode} for key in _keys(stage_to_rank) for mode in _W_MODES])
     run([{**policy, "lead": lead} for policy in best(2 * _REFINE) for lead in _leads(stage_to_rank)])
+    if len(stage_to_rank) * num_microbatches >= _LARGE:  # a 16-stage, 32-microbatch zb-h1 spent 42 s of a
+        return _best(found, tried, live_limit, stage_to_rank)     # layout's planning in the 72 runs below
     lower = tuple(x - 1 for x in live_limit)
     limits = [live_limit] + ([lower] if min(lower) > local else [])
     run([{**policy, "live_limit": limit, "patience": wait, "reserve": hold} for policy in best(_REFINE)
          for limit, wait, hold in itertools.product(limits, (0.0, 0.5, 1.0), ("one", "none", "ramp"))])
-    found += [(span, n, table) for span, n, table, _ in tried]
-    best = min(found, key=lambda r: r[:2])[2] if found else None
-    if best is None:
+    return _best(found, tried, live_limit, stage_to_rank)
+
+
+def _best(found: list, tried: list, live_limit: tuple[int, ...], stage_to_rank: tuple[int, ...]) -> Table:
+    """The fastest of the seeds (`found`) and the searched orders (`tried`); ties keep the earlier one."""
+    found = found + [(span, n, table) for span, n, table, _ in tried]
+    if not found:
+        local = max(_chunk_of(stage_to_rank)) + 1
         raise ScheduleError(
             f"no order fits max_live {list(live_limit)} with stages on ranks {list(stage_to_rank)}; "
             f"allow at least {local} live stage-microbatches per rank")
-    return best
+    return min(found, key=lambda r: r[:2])[2]
 
 
 
