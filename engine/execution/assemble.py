@@ -13,7 +13,6 @@ from typing import Any, Callable, Sequence
 
 from ir.device import rank_neutral
 
-
 from ..planning.artifacts import Planned
 from ..planning.plan import fingerprint
 from ..version import fnpipe_version
