@@ -1,0 +1,187 @@
+"""Where a pipelined step's time goes, per rank: kernels, NCCL, idle GPU, host syncs, against the plan.
+
+    # 2 GPUs: one family per launch or several (gpt, llama, resnet), fnpipe 1f1b, fx and/or inductor
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/diagnose_p2.py --families llama,resnet --compilers fx
+    # CPU smoke (gloo, tiny sizes)
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/diagnose_p2.py --tiny
+
+For each row it prints `engine.report.compare` (each stage's measured F/B against the plan's prediction,
+from `step.traced`) and, from a `torch.profiler` trace of one step on each rank: the step's wall time, the
+time some compute kernel runs (union), the NCCL kernel time, the GPU's idle time, the host-side
+synchronising calls (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking memcpy)
+and the kernels that take the most time. A step that is slower than predicted while its kernels take what
+the plan says is waiting: on a peer, on the host, or on a sync.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine
+from benchmarks.families import family
+from engine import report
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy(")
+
+
+def union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def kernel_stats(path: Path, wall_us: float) -> dict[str, Any]:
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    nccl = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in kernels if "nccl" in e.get("name", "").lower()]
+    comp = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in kernels if "nccl" not in e.get("name", "").lower()]
+    by_name: Counter[str] = Counter()
+    for e in kernels:
+        if "nccl" not in e.get("name", "").lower():
+            by_name[e["name"][:60]] += e.get("dur", 0)
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    syncs = Counter(e["name"] for e in runtime if any(e["name"].startswith(s.strip("( ")) and
+                                                      not e["name"].startswith("cudaMemcpyAsync") for s in SYNCS))
+    sync_us = sum(e.get("dur", 0) for e in runtime if e["name"] in syncs)
+    span = (min(a for a, _ in comp + nccl), max(b for _, b in comp + nccl)) if comp or nccl else (0.0, 0.0)
+    busy = union(comp)
+    return {"wall_ms": wall_us / 1e3, "gpu_span_ms": (span[1] - span[0]) / 1e3, "compute_ms": busy / 1e3,
+            "compute_sum_ms": sum(b - a for a, b in comp) / 1e3, "nccl_ms": union(nccl) / 1e3,
+            "idle_ms": (span[1] - span[0] - union(comp + nccl)) / 1e3, "kernels": len(comp),
+            "syncs": dict(syncs), "sync_ms": sync_us / 1e3,
+            "top": [(n, round(d / 1e3, 2)) for n, d in by_name.most_common(8)]}
+
+
+def llm_case(name: str, size: str, m: int, mb: int, dtype: torch.dtype, device: torch.device):
+    fam = family(name, size)
+    params = fam.params(dtype, device, 0)
+    if dist.is_initialized():
+        for leaf in torch.utils._pytree.tree_leaves(params):
+            dist.broadcast(leaf, src=0)
+    x, y = fam.batch(m * mb, seed=1)
+    return fam.loss_fn(), params, (x.to(device), y.to(device)), {}
+
+
+def resnet_case(tiny: bool, m: int, dtype: torch.dtype, device: torch.device):
+    from examples.resnet_model import build
+
+    torch.manual_seed(0)
+    net = build("resnet50x1" if tiny else "resnet101x4", classes=10 if tiny else 1000, base=4 if tiny else 64)
+    net = net.to(device=device, dtype=dtype).train(True)
+    fn, variables = engine.functionalize(net, loss=F.cross_entropy)
+    g = torch.Generator().manual_seed(1)
+    batch, image = (32, 32) if tiny else (128, 224)
+    x = torch.randn(batch, 3, image, image, generator=g).to(device, dtype)
+    y = torch.randint(0, 10 if tiny else 1000, (batch,), generator=g).to(device)
+    return fn, variables, (x, y), {"has_aux": True, "min_microbatch_size": 1}
+
+
+def timed(step: Any, local: Any, batch: tuple, device: torch.device, n: int) -> float:
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t = time.perf_counter()
+        step(local, *batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, compiler: str) -> dict[str, Any]:
+    fn, params, batch, extra = case
+    t = time.perf_counter()
+    step = engine.parallelize(fn, params, *batch, schedule=args.schedule, microbatches=args.microbatches,
+                              compiler=compiler, calibrate=args.calibrate and f"{args.calibrate}/diag_{label}.json",
+                              timeout=args.timeout, **extra)
+    build_s = time.perf_counter() - t
+    local = step.shard(params)
+    timed(step, local, batch, world.device, 3)
+    seconds = timed(step, local, batch, world.device, args.steps)
+    _, _, spans = step.traced(local, *batch)
+    every = step.all_spans(spans)
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"diag_{label}_{compiler}_rank{world.rank}.json"
+    cuda = world.device.type == "cuda"
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t = time.perf_counter()
+        step(local, *batch)
+        if cuda:
+            torch.cuda.synchronize(world.device)
+        wall = (time.perf_counter() - t) * 1e6
+    prof.export_chrome_trace(str(path))
+    stats = kernel_stats(path, wall) if cuda else {"wall_ms": wall / 1e3}
+    stats["rank"] = world.rank
+    gathered = step.transport.all_gather_json(stats)
+    row = {"label": label, "compiler": compiler, "measured_s": seconds,
+           "predicted_s": step.plan.predicted_step_time, "build_s": build_s, "ranks": gathered,
+           "cuts": list(step.plan.cuts), "recompute": [str(r) for r in step.plan.recompute]}
+    if world.rank == 0:
+        print(step.plan, flush=True)
+        print(report.compare(step, every), flush=True)
+        print(json.dumps(row, indent=1), flush=True)
+    step.close()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default="llama,gpt,resnet")
+    ap.add_argument("--compilers", default="fx")
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--calibrate", default=None, help="directory for calibration tables (none: uncalibrated)")
+    ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    world = engine.init(timeout=args.timeout)
+    tiny = args.tiny or world.device.type == "cpu"
+    dtype = torch.float32 if tiny else torch.bfloat16
+    rows = []
+    for name in args.families.split(","):
+        for compiler in args.compilers.split(","):
+            if name == "resnet":
+                case = resnet_case(tiny, args.microbatches, dtype, world.device)
+            else:
+                case = llm_case(name, "tiny" if tiny else "base", args.microbatches, 4, dtype, world.device)
+            rows.append(run_case(name, case, args, world, compiler))
+            del case
+            if world.device.type == "cuda":
+                torch.cuda.empty_cache()
+    if world.rank == 0:
+        print("\n| row | measured s | predicted s | m/p | rank | wall ms | compute ms | nccl ms | idle ms | syncs |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            for k in r["ranks"]:
+                print(f"| {r['label']} {r['compiler']} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | "
+                      f"{r['measured_s'] / r['predicted_s']:.3f} | {k['rank']} | {k['wall_ms']:.1f} | "
+                      f"{k.get('compute_ms', 0):.1f} | {k.get('nccl_ms', 0):.1f} | {k.get('idle_ms', 0):.1f} | "
+                      f"{k.get('syncs', {})} |")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
