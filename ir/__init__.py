@@ -13,12 +13,12 @@ from .errors import IRError, TraceError
 from .evaluate import evaluate, interpret
 from .liveness import RunBytes, run_bytes
 from .loss import aux_names, check_loss, returns_aux
-from .printer import format_graph
+from .printer import format_graph, program_digest
 from .slicing import Stage, slice_graph, split
 from .trace import TensorSpec, trace
 
 __all__ = [
     "AbstractValue", "Deferred", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
     "TraceError", "Var", "aux_names", "check", "check_loss", "compile_graph", "deferred", "deferred_of", "eqn_cost", "evaluate", "format_costs", "format_graph",
-    "graph_costs", "interpret", "keyed_dropout", "random", "row_keys", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
+    "graph_costs", "interpret", "keyed_dropout", "program_digest", "random", "row_keys", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
 ]

@@ -26,6 +26,7 @@ from .core import AbstractValue, Eqn, Graph, Literal, Var
 from .device import available, device_type, retarget
 from .errors import IRError
 from .fx_import import FxImporter
+from .printer import program_digest
 from .purify import is_view, remove_mutation, resolve
 from .slicing import slice_graph
 from .static_fill import masked_fills
@@ -413,8 +414,9 @@ def diff_positions(g: Graph, constant: Sequence[int] = (), constant_outputs: Seq
 
 
 def joint_key(g: Graph, diff_in: Sequence[int], diff_out: Sequence[int], device: str | None) -> tuple[Any, ...]:
-    """What a traced joint depends on: the key of the `joints` cache `stage_autodiff` reads."""
-    return (str(g), tuple(diff_in), tuple(diff_out), device)
+    """What a traced joint depends on: the key of the `joints` cache `stage_autodiff` reads (the graph's text
+    and constants: graphs that print alike may hold different constant tensors)."""
+    return (program_digest(g), tuple(diff_in), tuple(diff_out), device)
 
 
 def _slot_tables(slot: dict, n_in: int, n_out: int, diff_in: Sequence[int], grads: Sequence[Any],

@@ -1,9 +1,11 @@
 """Jaxpr-like printing: one equation a line, names given at print time."""
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterable
 
 import torch
+import torch.utils._pytree as pytree
 
 from .core import AbstractValue, Eqn, Graph, Literal, Var
 
@@ -74,3 +76,17 @@ def format_graph(g: Graph, *, namer: Namer | None = None) -> str:
 
 def format_aval(a: AbstractValue) -> str:
     return str(a)
+
+
+def program_digest(g: Graph) -> str:
+    """What a program computes, digested: its printed text and the values of its tensor constants (which
+    print as their type alone). Graphs with equal digests compute the same function of their inputs; two
+    that print alike can differ in a constant (BatchNorm's running statistics in eval mode, say)."""
+    digest = hashlib.sha256(format_graph(g).encode())
+    for e in g.eqns:
+        for x in pytree.tree_leaves((e.args, [v for _, v in e.kwargs])):
+            if isinstance(x, Literal) and isinstance(x.value, torch.Tensor):
+                t = x.value.detach().cpu().contiguous().reshape(-1)
+                digest.update(f"{t.dtype}{tuple(x.value.shape)}".encode())
+                digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

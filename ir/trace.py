@@ -19,6 +19,7 @@ from .functional import exporting, free_layouts, functionalized
 from .fx_import import FxImporter
 from .grad_mode import stop_gradients
 from .purify import NeedsFunctionalization, reject_rng, remove_mutation
+from .sink import sink_input_ops
 from .static_index import static_mask_indices
 from .trace_errors import (
     ImpureError,
@@ -113,7 +114,7 @@ def _graph(gm: torch.fx.GraphModule, names: Sequence[str], num_params: int, in_t
     imp = FxImporter(gm).run()
     g = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, tuple(names), num_params, in_tree, out_tree)
     g = static_mask_indices(stop_gradients(g, imp.frozen))
-    return reject_rng(remove_mutation(free_layouts(g) if functional else g))
+    return sink_input_ops(reject_rng(remove_mutation(free_layouts(g) if functional else g)))
 
 
 def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | None = None) -> Graph:

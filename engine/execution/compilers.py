@@ -18,7 +18,6 @@ over it; `CompileLog` keeps them per (stage, program kind) for the logs and `eng
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -27,7 +26,6 @@ from typing import Any, Callable
 
 import attrs
 import torch
-from torch.utils import _pytree as pytree
 
 import ir
 
@@ -80,14 +78,7 @@ _SHARED: dict[tuple[str, tuple[int, ...]], Compiled] = {}  # program key -> comp
 def program_key(graph: ir.Graph, accumulate: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
     """What a compiled program depends on: its printed text and its tensor constants (digested), and the
     outputs it accumulates. Programs with equal keys compute the same function."""
-    digest = hashlib.sha256(str(graph).encode())
-    for e in graph.eqns:
-        for x in pytree.tree_leaves((e.args, [v for _, v in e.kwargs])):
-            if isinstance(x, ir.Literal) and isinstance(x.value, torch.Tensor):
-                t = x.value.detach().cpu().contiguous().reshape(-1)
-                digest.update(f"{t.dtype}{tuple(x.value.shape)}".encode())
-                digest.update(t.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest(), tuple(accumulate)
+    return ir.program_digest(graph), tuple(accumulate)
 
 
 def inductor(graph: ir.Graph, accumulate: tuple[int, ...]) -> Compiled:

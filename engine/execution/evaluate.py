@@ -54,9 +54,8 @@ def eval_cuts(train: Sequence[StageInfo], graph: ir.Graph) -> tuple[int, ...]:
     that reads it (the latest, for one that reads params of two: a layer the training plan cut inside, such
     as BatchNorm's statistics before a cut and its normalisation after). PlanError when none exist."""
     owner = owners(train)
-    pid_of = {v: i for i, v in enumerate(graph.inputs[:graph.num_params])}
-    fixed = [(i, max(owner.get(pid_of[v], 0) for v in e.inputs if v in pid_of))
-             for i, e in enumerate(graph.eqns) if any(v in pid_of for v in e.inputs)]
+    reads = _param_reads(graph)
+    fixed = [(i, max(owner.get(p, 0) for p in ps)) for i, ps in enumerate(reads) if ps]
     n, cuts = len(graph.eqns), []
     for k in range(1, len(train)):
         lower = max([i + 1 for i, s in fixed if s < k] or [1])
@@ -68,6 +67,20 @@ def eval_cuts(train: Sequence[StageInfo], graph: ir.Graph) -> tuple[int, ...]:
                             f"{upper}); evaluate a function that uses the params in the order training does")
         cuts.append(cut)
     return tuple(cuts)
+
+
+def _param_reads(graph: ir.Graph) -> list[frozenset[int]]:
+    """Per equation, the params it reads: directly, or through equations that read only params (a buffer's
+    detach before its batch_norm: `ir.sink` places those next to their consumer, so they are one op)."""
+    pid_of = {v: i for i, v in enumerate(graph.inputs[:graph.num_params])}
+    via: dict[ir.Var, frozenset[int]] = {}  # outputs of param-only equations -> the params behind them
+    out = []
+    for e in graph.eqns:
+        ps = frozenset().union(*[{pid_of[v]} if v in pid_of else via.get(v, frozenset()) for v in e.inputs])
+        if all(v in pid_of or v in via for v in e.inputs):
+            via.update((v, ps) for v in e.out_vars)
+        out.append(ps)
+    return out
 
 
 def lent(train: Sequence[StageInfo], stages: Sequence[ir.Stage], rank_of: Callable[[int], int],

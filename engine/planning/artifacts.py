@@ -123,7 +123,7 @@ class Workshop:
         level = recompute_level(recompute)
         key = (size, _signature(stage), level)
         if key not in self._ads:
-            alike = (str(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
+            alike = (ir.program_digest(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
                      stage.frozen_in, stage.frozen_out, stage.is_last, level)
             if alike not in self._alike:
                 self._alike[alike] = autodiff(stage, level, device=self.device, joints=self._joints)
@@ -144,7 +144,7 @@ class Workshop:
         if pieces is None:
             return self.autodiff(size, stage, level)
         if key not in self._costed:
-            alike = (str(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
+            alike = (ir.program_digest(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
                      stage.is_last, level)
             if alike not in self._alike_costed:
                 self._alike_costed[alike] = self._stitch(stage, pieces, level)

@@ -23,17 +23,22 @@ Semantics (those of GPipe, with torchgpipe's deferred batch norm for the statist
     `fn(variables, *batch) -> (loss, {"buffers": {path: {running_mean, running_var, num_batches_tracked}}})`
     with the train-mode BatchNorm layers only; nothing is written into the module or the variables.
 
-How (see ir.deferred): each microbatch computes, from the BN layer's input (detached: statistics carry no
-gradient), per channel the biased variance v and mean mu and, with d = mu - running_mean and
-s = v + d^2 (the mean of (x - running_mean)^2), a [4, C] tensor [(1-f) rm + f mu, (1-f) rv + f s, f s,
-sqrt(f) d] and the count of values per channel with num_batches_tracked + 1 (float64). Each is linear in
-the microbatch, so the step's average over microbatches and replicas is the full batch's; the finish then
-adds the part that is not: var = S - D^2 (S, D the averages), made unbiased with the full count n:
-running_var = [(1-f) rv + f S] + f S / (n-1) - n/(n-1) (sqrt(f) D)^2. Shifting by the running mean keeps
-S - D^2 from cancelling when the mean is large against the spread. These travel with the loss (the aux
-leaves reach the last stage and are summed over replicas), one [4, C] and one [2] tensor per layer per
-microbatch, and are summed in float32 (float64 for float64 models) whatever the compute dtype. Costs: one
-extra `var_mean` pass over each BN input in the forward.
+How (see ir.deferred): each microbatch normalises with `native_batch_norm`, which returns its batch
+mean mu and inverse standard deviation 1/sqrt(v + eps) (v: biased variance) beside the output; from these,
+with no further pass over the input, it emits one [6, C] tensor per layer: d = mu - running_mean,
+s' = 1/invstd^2 + d^2 (= v + eps + d^2), the running mean and variance, the count of values per channel and
+num_batches_tracked + 1. Each row is linear in the microbatch (or the same in every one), so the step's
+average over microbatches and replicas is the full batch's: D, S' and the constants. The finish adds the
+part that is not linear: with S = S' - eps (the mean of (x - running_mean)^2) the full batch's biased
+variance is S - D^2, its mean running_mean + D, and with f = momentum (or 1/num_batches_tracked) and n the
+full count: running_mean <- running_mean + f D, running_var <- (1-f) running_var + f (S - D^2) n/(n-1).
+Shifting by the running mean keeps S - D^2 from cancelling when the mean is large against the spread.
+The partials travel with the loss (aux leaves reach the last stage and are summed over replicas), in float32
+(float64 for float64 models) whatever the compute dtype; counts and steps are rounded back to integers
+(exact below 2^24 values per channel per microbatch and 2^24 steps in float32). Costs per layer and
+microbatch: about ten kernels on [C]-sized tensors (the first version spent a cast and a `var_mean` pass
+over the whole input and about 35 small kernels; on two H200s in fx mode those made a wide ResNet's step
+host-bound).
 
 SyncBatchNorm is treated as BatchNorm: each microbatch is normalised on its own (no cross-rank
 statistics inside a step); its running statistics are still the full batch's. A BatchNorm layer with
@@ -46,7 +51,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import ir
@@ -66,10 +70,10 @@ def train_layers(module: nn.Module) -> dict[str, _BatchNorm]:
 
 
 @contextlib.contextmanager
-def recording(layers: dict[str, _BatchNorm]) -> Iterator[dict[str, dict[str, torch.Tensor]]]:
+def recording(layers: dict[str, _BatchNorm]) -> Iterator[dict[str, torch.Tensor]]:
     """While active, each layer normalises with its batch statistics without touching its buffers and
     records its partial statistics (see the module docstring) into the yielded dict, by module path."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+    parts: dict[str, torch.Tensor] = {}
     for name, m in layers.items():
         m.forward = _forward(m, name, parts)  # type: ignore[method-assign]
     try:
@@ -79,42 +83,54 @@ def recording(layers: dict[str, _BatchNorm]) -> Iterator[dict[str, dict[str, tor
             del m.forward
 
 
-def _forward(m: _BatchNorm, name: str, parts: dict[str, dict[str, torch.Tensor]]) -> Callable[[torch.Tensor], Any]:
+def _forward(m: _BatchNorm, name: str, parts: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], Any]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         m._check_input_dim(x)
-        parts[name] = _partial(m, x)
-        return F.batch_norm(x, None, None, m.weight, m.bias, True, 0.0, m.eps)
+        consts = _constants(m, x)
+        out, mean, invstd = torch.native_batch_norm(x, m.weight, m.bias, None, None, True, 0.0, m.eps)
+        parts[name] = _partial(consts, _as(mean.detach(), consts.dtype), _as(invstd.detach(), consts.dtype))
+        return out
     return forward
 
 
-def _partial(m: _BatchNorm, x: torch.Tensor) -> dict[str, torch.Tensor]:
+def _constants(m: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """[running mean, running variance, count, num_batches_tracked + 1] as [4, C] rows in the statistics'
+    dtype. Made before the normalisation, so that every buffer of the layer is read before its weights, as
+    eval mode's batch_norm reads them all in one op: evaluation runs on the training plan's cuts, and a cut
+    between this and the normalisation still leaves each eval op one stage."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dims = [d for d in range(x.dim()) if d != 1]
-    var, mean = torch.var_mean(x.detach().to(acc), dims, correction=0)
-    rm, rv = m.running_mean.to(acc), m.running_var.to(acc)  # type: ignore[union-attr]
-    tracked = (m.num_batches_tracked + 1).to(torch.float64)  # type: ignore[operator]
-    f = 1.0 / tracked.to(acc) if m.momentum is None else torch.full((), float(m.momentum), dtype=acc, device=x.device)
-    d = mean - rm
-    s = var + d * d
-    moments = torch.stack([(1 - f) * rm + f * mean, (1 - f) * rv + f * s, f * s, f.sqrt() * d])
-    count = torch.full((), x.numel() // x.shape[1], dtype=torch.float64, device=x.device)
-    return {"moments": moments, "counts": torch.stack([count, tracked])}
+    rm, rv = _as(m.running_mean, acc), _as(m.running_var, acc)  # type: ignore[arg-type]
+    count = torch.full(rm.shape, x.numel() // x.shape[1], dtype=acc, device=x.device)
+    tracked = (m.num_batches_tracked + 1).to(acc).expand_as(rm)  # type: ignore[operator]
+    return torch.stack([rm, rv, count, tracked])
+
+
+def _partial(consts: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    """The [6, C] rows of one microbatch: d = mean - running mean, v + eps + d^2, then `consts`."""
+    d = mean - consts[0]
+    s = torch.addcmul(invstd.pow(-2), d, d)
+    return torch.cat([torch.stack([d, s]), consts])
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def finish(layers: dict[str, _BatchNorm]) -> Callable[[Any, int], dict[str, Any]]:
     """The deferred half: averaged partials of `parts` microbatches -> {"buffers": new running statistics}."""
-    dtypes = {name: m.running_mean.dtype for name, m in layers.items()}  # type: ignore[union-attr]
+    consts = {name: (m.running_mean.dtype, m.momentum, m.eps) for name, m in layers.items()}  # type: ignore[union-attr]
 
     def done(partial: dict[str, Any], parts: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name, dtype in dtypes.items():
-            got = _leaf(partial["bn"], name)
-            mean, var, fs, gd = got["moments"].unbind(0)
-            n = torch.round(got["counts"][0]).to(var.dtype) * parts  # a tensor: the function stays traceable
-            new_var = var + fs / (n - 1) - (n / (n - 1)) * gd * gd
-            tracked = torch.round(got["counts"][1]).to(torch.int64)
-            _put(out, name, {"running_mean": mean.to(dtype), "running_var": new_var.to(dtype),
-                             "num_batches_tracked": tracked})
+        for name, (dtype, momentum, eps) in consts.items():
+            d, s, rm, rv, count, tracked = _leaf(partial["bn"], name).unbind(0)
+            n = torch.round(count) * parts  # tensors: the function stays traceable
+            steps = torch.round(tracked)
+            f = 1.0 / steps if momentum is None else torch.full_like(d, float(momentum))
+            var = (s - eps) - d * d
+            _put(out, name, {"running_mean": (rm + f * d).to(dtype),
+                             "running_var": ((1 - f) * rv + f * var * n / (n - 1)).to(dtype),
+                             "num_batches_tracked": steps[:1].reshape(()).to(torch.int64)})
         return {"buffers": out}
     return done
 
@@ -128,7 +144,7 @@ def stateful(local: Callable[..., tuple[torch.Tensor, Any]], layers: dict[str, _
                        why=why + ": batch statistics over fewer rows are noise")
 
 
-def nest(parts: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+def nest(parts: dict[str, torch.Tensor]) -> dict[str, Any]:
     """{"bn": partials nested by module path}, the aux `local` returns."""
     out: dict[str, Any] = {}
     for name, value in parts.items():
