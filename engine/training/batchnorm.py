@@ -86,28 +86,29 @@ def recording(layers: dict[str, _BatchNorm]) -> Iterator[dict[str, torch.Tensor]
 def _forward(m: _BatchNorm, name: str, parts: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], Any]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         m._check_input_dim(x)
-        consts = _constants(m, x)
+        consts, rm = _constants(m, x)
         out, mean, invstd = torch.native_batch_norm(x, m.weight, m.bias, None, None, True, 0.0, m.eps)
-        parts[name] = _partial(consts, _as(mean.detach(), consts.dtype), _as(invstd.detach(), consts.dtype))
+        parts[name] = _partial(consts, rm, _as(mean.detach(), rm.dtype), _as(invstd.detach(), rm.dtype))
         return out
     return forward
 
 
-def _constants(m: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+def _constants(m: _BatchNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[running mean, running variance, count, num_batches_tracked + 1] as [4, C] rows in the statistics'
-    dtype. Made before the normalisation, so that every buffer of the layer is read before its weights, as
-    eval mode's batch_norm reads them all in one op: evaluation runs on the training plan's cuts, and a cut
-    between this and the normalisation still leaves each eval op one stage."""
+    dtype, and the running mean alone. Made before the normalisation, so that every buffer of the layer is
+    read before its weights, as eval mode's batch_norm reads them all in one op: evaluation runs on the
+    training plan's cuts, and a cut between this and the normalisation still leaves each eval op one stage.
+    No tensor indexing here: a CPU-only torch cannot index a fake cuda tensor (planning for GPUs on CPU)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     rm, rv = _as(m.running_mean, acc), _as(m.running_var, acc)  # type: ignore[arg-type]
     count = torch.full(rm.shape, x.numel() // x.shape[1], dtype=acc, device=x.device)
     tracked = (m.num_batches_tracked + 1).to(acc).expand_as(rm)  # type: ignore[operator]
-    return torch.stack([rm, rv, count, tracked])
+    return torch.stack([rm, rv, count, tracked]), rm
 
 
-def _partial(consts: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+def _partial(consts: torch.Tensor, rm: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
     """The [6, C] rows of one microbatch: d = mean - running mean, v + eps + d^2, then `consts`."""
-    d = mean - consts[0]
+    d = mean - rm
     s = torch.addcmul(invstd.pow(-2), d, d)
     return torch.cat([torch.stack([d, s]), consts])
 
@@ -130,7 +131,7 @@ def finish(layers: dict[str, _BatchNorm]) -> Callable[[Any, int], dict[str, Any]
             var = (s - eps) - d * d
             _put(out, name, {"running_mean": (rm + f * d).to(dtype),
                              "running_var": ((1 - f) * rv + f * var * n / (n - 1)).to(dtype),
-                             "num_batches_tracked": steps[:1].reshape(()).to(torch.int64)})
+                             "num_batches_tracked": steps.narrow(0, 0, 1).reshape(()).to(torch.int64)})
         return {"buffers": out}
     return done
 

@@ -167,3 +167,23 @@ def test_mixed_precision_keeps_the_running_statistics_full_step() -> None:
     assert torch.allclose(got["running_mean"], want["running_mean"], rtol=2e-2, atol=2e-2)
     assert torch.allclose(got["running_var"], want["running_var"], rtol=2e-2, atol=2e-2)
     assert step.evaluate(step.shard(variables), x.float()).shape == (16, 5)
+
+
+def test_a_train_mode_model_plans_for_gpus_on_a_cpu_only_machine() -> None:
+    """Tracing for "cuda" runs no kernel, so a CPU-only torch plans a GPU job (the README's promise)."""
+    fn, variables = engine.functionalize(bn_net().float().train(), loss=F.cross_entropy)
+    x, y = batch()
+    g = ir.trace(fn, variables, x.float(), y, device="cuda")
+    ops = [e.op for e in g.eqns]
+    assert "aten.native_batch_norm.default" in ops and "aten.var_mean.correction" not in ops
+
+
+def test_each_layer_sends_one_partial_and_no_later_layers_buffers() -> None:
+    """A cut sends the hidden state and one [6, C] partial per train-mode BN layer before it, nothing else
+    (before ir.sink, every later layer's detached buffers crossed too)."""
+    fn, variables = engine.functionalize(bn_net().train(), loss=F.cross_entropy)
+    x, y = batch()
+    g = ir.trace(fn, variables, x, y)
+    first_relu = next(i for i, e in enumerate(g.eqns) if e.op == "aten.relu.default")
+    sent = [list(g.defined())[v].aval for v in ir.split(g, [first_relu + 1])[0].acts_out]
+    assert sorted(tuple(a.shape) for a in sent) == sorted([tuple(x.shape[:1]) + (4, 6, 6), (6, 4)])
