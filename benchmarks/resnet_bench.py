@@ -49,7 +49,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rows", default="fnpipe,ddp,gpipe")
-    ap.add_argument("--calibrate", action="store_true", help="fnpipe: time every op on the GPU before planning")
+    ap.add_argument("--calibrate", nargs="?", const=True, default=False,
+                    help="fnpipe: time every op on the GPU before planning (a path: keep the table there, reuse it)")
     ap.add_argument("--compiler", default="fx")
     ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = ap.parse_args()
