@@ -10,6 +10,7 @@ import ir
 
 from .compilers import COMPILERS, CompileLog, check_compiler, resolve  # noqa: F401 -- check_compiler re-exported
 from .emit import StageInfo
+from .packing import Layouts
 from .program import COMPUTE, Instr, Program
 from .spans import Tracer
 from .transport import Transport
@@ -30,10 +31,13 @@ class Executor:
         self.compile_log = CompileLog()
         self.tracer: Tracer | None = None
         self.parts: dict[tuple[int, str, tuple[int, ...]], Callable[..., Any]] = {}  # (stage, kind, accumulate)
+        self.layouts = Layouts(infos)  # each transfer's messages (`packing`)
         last = infos[-1]
         self.loss_dtype = last.stage.graph.outputs[last.loss_index].aval.dtype
         self.aux_avals = [last.stage.graph.outputs[j].aval for j in last.aux_indices()]  # has_aux: every rank sums them
         self.aux: list[torch.Tensor] = []
+        summed = [_summed(self.loss_dtype), *(_summed(a.dtype) for a in self.aux_avals)]
+        self.sum_groups = [[k for k, d in enumerate(summed) if d == dtype] for dtype in dict.fromkeys(summed)]
 
     # -- one step -------------------------------------------------------------------------------
     def run(self, params: dict[int, torch.Tensor], microbatches: Sequence[dict[int, torch.Tensor]]
@@ -105,7 +109,7 @@ class Executor:
         if kind == "x":
             return self.mbs[mb][idx]
         if ref in self.pending:
-            self.transport.wait(self.pending.pop(ref), f"receiving {ref}")
+            self.pending.pop(ref).wait(self.transport, ref)
         return self.bufs[ref]
 
     def write(self, ref: str, value: torch.Tensor) -> None:
@@ -137,26 +141,28 @@ class Executor:
                 self.write(ref, value)
 
     def comm(self, ins: Instr) -> None:
+        """Post every transfer of the group, each as its layout's messages (small tensors packed: `packing`)."""
         self._retire_sends()
-        ops, recvs = [], []
+        ops: list[tuple[str, int, torch.Tensor]] = []
+        waits: list[tuple[str, ...] | None] = []  # per recv message, the refs that wait on it
         for c in ins.comm:
-            info = self.infos[c.stage]
-            for k, ref in enumerate(c.bufs):
-                if c.op == "send":
-                    ops.append(("send", c.peer, self.read(ref, c.mb).contiguous()))
-                else:
-                    aval = info.recv_aval(c.what, k)
-                    t = torch.empty(aval.shape, dtype=aval.dtype, device=self.device)
-                    self.bufs[ref] = t
-                    ops.append(("recv", c.peer, t))
-                    recvs.append(ref)
-        handles = self.transport.post(ops)
-        rx = iter(recvs)
-        for (op, _, t), h in zip(ops, handles):
-            if op == "send":
+            lay = self.layouts(c)
+            if c.op == "send":
+                sent = lay.send([self.read(ref, c.mb) for ref in c.bufs])
+                ops += [("send", c.peer, t) for t in sent]
+                waits += [None] * len(sent)
+                continue
+            bufs, views = lay.receive(self.device)
+            self.bufs.update(zip(c.bufs, views))
+            ops += [("recv", c.peer, t) for t in bufs]
+            waits += [tuple(c.bufs[k] for k in m.members) for m in lay.messages]
+        for (op, _, t), h, refs in zip(ops, self.transport.post(ops), waits):
+            if refs is None:
                 self.sends.append((h, t))
-            else:
-                self.pending[next(rx)] = h
+                continue
+            shared = _Pending(h)
+            for ref in refs:
+                self.pending[ref] = shared
 
     def free(self, ins: Instr) -> None:
         for ref in ins.reads:
@@ -166,9 +172,15 @@ class Executor:
         self.bufs[ins.writes[0]] = torch.full((), 1.0 / (self.m * self.dp), dtype=self.loss_dtype, device=self.device)
 
     def add_loss(self, ins: Instr) -> None:
-        """The microbatch's loss and aux leaves, each added as its share of the mean over dp x microbatches."""
-        for total, ref in zip((self.loss, *self.aux), ins.reads):
-            total += self.read(ref, ins.mb).detach().to(total.dtype) / (self.m * self.dp)
+        """The microbatch's loss and aux leaves, each added as its share of the mean over dp x microbatches:
+        `total += leaf.to(total.dtype) / (m * dp)`, as two multi-tensor (`_foreach_`) ops per dtype of the
+        totals rather than two ops per leaf (a BatchNorm net has a few partial statistics per layer)."""
+        totals = (self.loss, *self.aux)
+        values = [self.read(ref, ins.mb) for ref in ins.reads]
+        with torch.no_grad():
+            for group in self.sum_groups:
+                shares = torch._foreach_div([values[k].to(totals[k].dtype) for k in group], float(self.m * self.dp))
+                torch._foreach_add_([totals[k] for k in group], shares)
 
     def reduce_grads(self, ins: Instr) -> None:
         pids = [int(r[1:]) for r in ins.reads]
@@ -201,6 +213,20 @@ class Executor:
             self.transport.all_reduce(flat, everyone)
             for t, summed in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.copy_(summed)
+
+
+class _Pending:
+    """A posted receive that one or more refs (a pack's members) wait on: waited on once."""
+
+    __slots__ = ("handle", "done")
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.done = handle, False
+
+    def wait(self, transport: Transport, ref: str) -> None:
+        if not self.done:
+            transport.wait(self.handle, f"receiving {ref}")
+            self.done = True
 
 
 def _summed(dtype: torch.dtype) -> torch.dtype:

@@ -1,13 +1,14 @@
 """Device memory of a rank's program, by replaying it: the bytes held at each instruction, and the peak.
 
 The runtime's allocations are all visible in the program: the rank's parameters and its replica's
-microbatches (every batch leaf, held for the whole step), a grad accumulator `g<leaf>` from its first
-use to the end, a buffer `b<n>` from the instruction that writes it (a compute, or a receive posted by a
-comm group) to its `free`, and inside a compute the values its program makes and frees (`ir.run_bytes`,
-with fx's frees at last use). `reduce_grads` flattens its grads into one buffer for the all-reduce. This
-is what `torch.cuda.max_memory_allocated` counts for programs run as fx code, short of the libraries' own
-workspaces (cuBLAS, attention kernels), the allocator's rounding to 512 bytes, and a sent buffer that its
-transfer keeps alive past its `free` until the send completes.
+microbatches (every batch leaf, held for the whole step), a grad accumulator `g<leaf>` from its first use to
+the end, a buffer `b<n>` from the instruction that writes it (a compute, or a receive posted by a comm
+group) to its `free` (small received tensors are views of one pack, held until its last member's `free`; a
+sent pack is a new buffer during its comm: `packing`), and inside a compute the values its program makes and
+frees (`ir.run_bytes`, with fx's frees at last use). `reduce_grads` flattens its grads into one buffer for
+the all-reduce. This is what `torch.cuda.max_memory_allocated` counts for programs run as fx code, short of
+the libraries' own workspaces (cuBLAS, attention kernels), the allocator's rounding to 512 bytes, and a sent
+buffer (or pack) that its transfer keeps alive past its `free` (or its comm) until the send completes.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import ir
 
 from ..units import nbytes
 from .emit import StageInfo
+from .packing import Layouts
 from .program import COMPUTE, Instr, Program
 
 
@@ -47,6 +49,9 @@ class _Replay:
         self.live: dict[str, int] = {}
         self.now = 0  # bytes held beyond the static ones
         self.top = 0  # the most held during the current instruction
+        self.layouts = Layouts(infos)  # each transfer's messages, as the runtime posts them
+        self.packs: dict[str, set[str]] = {}  # a received pack -> its members not yet freed
+        self.owner: dict[str, str] = {}  # a packed ref -> its pack
 
     def hold(self, ref: str, nbytes: int) -> None:
         if ref not in self.live:
@@ -67,14 +72,31 @@ class _Replay:
                 self.hold(ref, info.ad.slot_avals[slot].nbytes)
 
     def comm(self, ins: Instr) -> None:
+        sent = 0
         for c in ins.comm:
-            if c.op == "recv":
-                for k, ref in enumerate(c.bufs):
-                    self.hold(ref, self.infos[c.stage].recv_aval(c.what, k).nbytes)
+            lay = self.layouts(c)
+            for m in lay.messages:
+                if c.op == "send":
+                    sent += m.nbytes if m.packed else 0  # a pack is a new buffer; a large tensor goes as it is
+                elif m.packed:  # one buffer, alive until the last of its members' views is freed
+                    pack = f"pack {c.bufs[m.members[0]]}"
+                    self.hold(pack, m.nbytes)
+                    self.packs[pack] = {c.bufs[k] for k in m.members}
+                    self.owner.update((c.bufs[k], pack) for k in m.members)
+                else:
+                    self.hold(c.bufs[m.members[0]], m.nbytes)
+        self.top = self.now + sent
 
     def free(self, ins: Instr) -> None:
         for ref in ins.reads:
-            self.now -= self.live.pop(ref, 0)
+            pack = self.owner.pop(ref, None)
+            if pack is None:
+                self.now -= self.live.pop(ref, 0)
+                continue
+            self.packs[pack].discard(ref)
+            if not self.packs[pack]:
+                del self.packs[pack]
+                self.now -= self.live.pop(pack)
 
     def loss_grad(self, ins: Instr) -> None:
         info = self.infos[ins.stage]
