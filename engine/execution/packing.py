@@ -160,7 +160,7 @@ def _pack(m: Message, avals: Sequence[ir.AbstractValue], tensors: Sequence[torch
         if off > end:
             zeros = zeros if zeros is not None else torch.zeros(ALIGN, dtype=torch.uint8, device=t.device)
             parts.append(zeros[:off - end])
-        parts.append(t.reshape(-1).view(torch.uint8))
+        parts.append(t.contiguous().reshape(-1).view(torch.uint8))  # expanded or strided values too
         end = off + a.nbytes
     if m.nbytes > end:
         zeros = zeros if zeros is not None else torch.zeros(ALIGN, dtype=torch.uint8, device=parts[-1].device)
