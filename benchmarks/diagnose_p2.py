@@ -94,10 +94,16 @@ def resnet_case(tiny: bool, m: int, dtype: torch.dtype, device: torch.device):
     return fn, variables, (x, y), {"has_aux": True, "min_microbatch_size": 1}
 
 
+def barrier() -> None:
+    """A barrier over the job (a world of one has no process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def timed(step: Any, local: Any, batch: tuple, device: torch.device, n: int) -> float:
     times = []
     for _ in range(n):
-        dist.barrier()
+        barrier()
         t = time.perf_counter()
         step(local, *batch)
         if device.type == "cuda":
@@ -122,7 +128,7 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"diag_{label}_{compiler}_rank{world.rank}.json"
     cuda = world.device.type == "cuda"
-    dist.barrier()
+    barrier()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t = time.perf_counter()
         step(local, *batch)
@@ -178,8 +184,9 @@ def main() -> int:
                       f"{r['measured_s'] / r['predicted_s']:.3f} | {k['rank']} | {k['wall_ms']:.1f} | "
                       f"{k.get('compute_ms', 0):.1f} | {k.get('nccl_ms', 0):.1f} | {k.get('idle_ms', 0):.1f} | "
                       f"{k.get('syncs', {})} |")
-    dist.barrier()
-    dist.destroy_process_group()
+    barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
