@@ -79,7 +79,7 @@ def _calibrate_here(world: launch.World, workshop: Workshop, where: bool | str |
     return table
 
 
-def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: str = "1f1b",
+def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: str = "auto",
                 microbatches: int | str = 8, stages: int | str | None = None, dp: int | str | None = None,
                 memory_limit: int | None = None, stages_per_rank: int | None = None,
                 cuts: Sequence[int] | None = None, timeout: float = 60.0, hook: Hook | None = None,
@@ -98,8 +98,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     over the microbatches like the loss and given to every rank (README, "The contract"). Each call checks
     this rank's params and batch against the plan (engine.InputError); `check_inputs` ("first", "every",
     "never") is when the ranks also compare fingerprints of their batch and params. `schedule` is a
-    registered name (`schedules.names()`) or "auto": every built-in planned with the model's costs, the
-    fastest predicted kept (`step.plan.considered` lists them). `min_microbatch_size`
+    registered name (`schedules.names()`) or "auto" (the default): every built-in planned with the model's
+    costs, the fastest predicted kept (`step.plan.considered` lists them; one rank runs the one schedule). `min_microbatch_size`
     (rows) is the smallest microbatch the planner may make (PlanError if the counts given force smaller);
     None: 16 for BatchNorm in train mode (engine/training/batchnorm.py), 1 otherwise.
     `plan_cache` (a directory, or a .json deployment file) reuses a plan made for the same model,

@@ -36,7 +36,7 @@ def dualpipev(num_stages: int, num_microbatches: int, **options: object) -> Tabl
     r1 .    1F0  2F0  1F1  2F1  1F2  2BW0 ---- 2F2  1BW0 ---- 1F3  2BW1 ---- 2F3  1BW1 ---- 2BW2 ---- 1BW2 ---- 2B3  1B3  2W3  1W3
     """
     check_counts("dualpipev", num_stages, num_microbatches)
-    chosen = take_options("dualpipev", options, {"costs": None, "max_live": None})
+    chosen = take_options("dualpipev", options, {"costs": None, "max_live": None, "search": True})
     if num_stages % 2:
         raise ScheduleError(
             f"dualpipev places 2 stages per rank in a V, so num_stages must be even (got "

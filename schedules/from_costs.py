@@ -39,6 +39,10 @@ from __future__ import annotations
 #   out: it took 42 s of one layout of a 16-stage, 32-microbatch zb-h1 plan (Llama-7B on 64 GPUs)
 #   and the seeds already keep the order no slower than PyTorch's. From 2,048 up (64 stages x 32
 #   microbatches) only the seeds are timed: the planner rebuilds the order for every split it tries.
+# - **A screen: the seeds alone** (the option ``search=False``): only the seeds are timed with the
+#   costs, no list scheduling. Its makespan bounds the searched order's from above (the search keeps
+#   the seeds among its candidates), at the price of a few simulations: the planner screens the
+#   layouts of a search with it and builds the searched order for the ones it makes exact.
 #
 # An exact solver (an ILP as in the ZB paper's appendix) finds optimal orders for small cases but
 # takes seconds to minutes per layout; the planner evaluates tens of layouts, and the portfolio above
@@ -57,7 +61,8 @@ from schedules.errors import ScheduleError
 from schedules.simulate import simulate
 from schedules.table import Table
 
-__all__ = ["CostsOption", "build_from_costs", "costs_of", "option_costs", "order_for", "parse_times", "rank_limits"]
+__all__ = ["CostsOption", "build_from_costs", "costs_of", "option_costs", "order_for", "parse_times", "rank_limits",
+           "search_option"]
 
 CostsOption = Costs | Sequence[object] | None  # what a schedule's ``costs=`` option takes
 _W_MODES = ("fill", "free", "key")  # see list_schedule
@@ -163,9 +168,10 @@ def _key(rank_of: dict[tuple[str, int], int], chunk: Sequence[int], *, by_class:
 @functools.lru_cache(maxsize=256)
 def build_from_costs(
     stage_to_rank: tuple[int, ...], num_microbatches: int, times: Times, live_limit: tuple[int, ...],
-    seeds: tuple[Table, ...] = (),
+    seeds: tuple[Table, ...] = (), search: bool = True,
 ) -> Table:
-    """The fastest order found for these times and per-rank limits (how: the comment atop this file)."""
+    """The fastest order found for these times and per-rank limits (how: the comment atop this file);
+    with ``search=False`` the fastest seed that fits (the search's upper bound), searched only if none does."""
 
     costs = costs_of(times)
     found: list[tuple[float, int, Table]] = []
@@ -194,7 +200,7 @@ def build_from_costs(
     def best(count: int) -> list[dict[str, object]]:
         return [policy for *_, policy in sorted(tried, key=lambda r: r[:2])[:count]]
 
-    if found and len(stage_to_rank) * num_microbatches >= _HUGE:  # 64 stages x 512 microbatches: 100 k actions
+    if found and (not search or len(stage_to_rank) * num_microbatches >= _HUGE):  # 64 stages x 512 microbatches: 100 k actions
         return _best(found, tried, live_limit, stage_to_rank)    # a run, rebuilt for every split tried
     run([{"key": key, "w_mode": mode} for key in _keys(stage_to_rank) for mode in _W_MODES])
     run([{**policy, "lead": lead} for policy in best(2 * _REFINE) for lead in _leads(stage_to_rank)])
@@ -223,7 +229,8 @@ def order_for(name: str, fixed: Table, options: dict[str, object], *, default_li
               seeds: Sequence[Table] = ()) -> Table:
     """``fixed`` when neither ``costs`` nor ``max_live`` is given, else the order built from them
     (unit costs when only ``max_live`` is), with ``fixed`` and ``seeds`` among the candidates.
-    ``max_live`` defaults to ``default_live``, else to what ``fixed`` holds per rank."""
+    ``max_live`` defaults to ``default_live``, else to what ``fixed`` holds per rank. The option
+    ``search`` (default True) is ``build_from_costs``'s: False times the seeds alone (a screen)."""
     if options.get("costs") is None and options.get("max_live") is None:
         return fixed
     placement = fixed.stage_to_rank
@@ -231,7 +238,17 @@ def order_for(name: str, fixed: Table, options: dict[str, object], *, default_li
     times = parse_times(name, option_costs(options, v), fixed.num_stages)
     default = tuple(default_live) if default_live is not None else simulate(fixed).peak_live
     limits = rank_limits(name, options.get("max_live"), default, v)
-    return build_from_costs(placement, fixed.num_microbatches, times, limits, (fixed, *seeds))
+    return build_from_costs(placement, fixed.num_microbatches, times, limits, (fixed, *seeds),
+                            search=search_option(name, options))
+
+
+def search_option(name: str, options: dict[str, object]) -> bool:
+    """The ``search`` option: True (build the order by list scheduling) or False (time the seeds alone)."""
+    value = options.get("search", True)
+    if not isinstance(value, bool):
+        raise ScheduleError(f"{name}: search must be True (search for the order) or False (time the hand-built "
+                            f"orders alone), got {value!r}")
+    return value
 
 
 def option_costs(options: dict[str, object], stages_per_rank: int) -> CostsOption:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from schedules._params import check_counts, positive_int, take_options
 from schedules.errors import ScheduleError
-from schedules.from_costs import build_from_costs, order_for
+from schedules.from_costs import build_from_costs, order_for, search_option
 from schedules.hand_orders import interleaved_zb_loop
 from schedules.table import Table
 
@@ -28,7 +28,7 @@ def interleaved_zb(num_stages: int, num_microbatches: int, **options: object) ->
     """
     check_counts("interleaved-zb", num_stages, num_microbatches)
     chosen = take_options("interleaved-zb", options,
-                          {"stages_per_rank": 2, "costs": None, "max_live": None})
+                          {"stages_per_rank": 2, "costs": None, "max_live": None, "search": True})
     v = positive_int("interleaved-zb", "stages_per_rank", chosen.pop("stages_per_rank"))
     if num_stages % v:
         valid = [d for d in range(1, num_stages + 1) if num_stages % d == 0]
@@ -40,5 +40,6 @@ def interleaved_zb(num_stages: int, num_microbatches: int, **options: object) ->
     unit = tuple((1.0 / v,) * num_stages for _ in range(3)) + ((0.0,) * num_stages,)
     loop = interleaved_zb_loop(p, v, num_microbatches)  # PyTorch's order: a candidate, never lost
     seeds = (loop,) if loop is not None else ()
-    fixed = build_from_costs(placement, num_microbatches, unit, (v * p,) * p, seeds)  # type: ignore[arg-type]
+    fixed = build_from_costs(placement, num_microbatches, unit, (v * p,) * p, seeds,  # type: ignore[arg-type]
+                             search=search_option("interleaved-zb", chosen))
     return order_for("interleaved-zb", fixed, chosen, default_live=(v * p,) * p, seeds=seeds)

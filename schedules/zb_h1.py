@@ -18,7 +18,9 @@ def zb_h1(num_stages: int, num_microbatches: int, **options: object) -> Table:
 
     ``costs=(forward, backward_input, backward_weight[, transfer])`` (a number or one per stage
     each, or a ``schedules.Costs``) and ``max_live`` (per rank; default: what this order holds)
-    build the order for those times instead (``schedules.from_costs``).
+    build the order for those times instead (``schedules.from_costs``); ``search=False`` only
+    times the hand-built orders under them (a planner's quick screen; the same holds for zbv,
+    interleaved-zb and dualpipev).
 
     p=4, m=4, F=B=W=1 (``render_ascii``)::
 
@@ -29,7 +31,7 @@ def zb_h1(num_stages: int, num_microbatches: int, **options: object) -> Table:
     r3 .   .   .   3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 3W1 3W2 3W3
     """
     check_counts("zb-h1", num_stages, num_microbatches)
-    chosen = take_options("zb-h1", options, {"costs": None, "max_live": None})
+    chosen = take_options("zb-h1", options, {"costs": None, "max_live": None, "search": True})
     fixed = one_stage_per_rank(
         num_stages, num_microbatches, warmup=lambda rank: num_stages - 1 - rank,
         weight_lag=lambda rank: rank,

@@ -33,7 +33,7 @@ def zbv(num_stages: int, num_microbatches: int, **options: object) -> Table:
     r1 .   1F0 2F0 1F1 2F1 2B0 1B0 1W0 1F2 2B1 1B1 2W0 2F2 1W1 2W1 2B2 1B2 1W2 2W2
     """
     check_counts("zbv", num_stages, num_microbatches)
-    chosen = take_options("zbv", options, {"costs": None, "max_live": None})
+    chosen = take_options("zbv", options, {"costs": None, "max_live": None, "search": True})
     if num_stages % 2:
         raise ScheduleError(
             f"zbv places 2 stages per rank in a V, so num_stages must be even (got {num_stages});"

@@ -152,7 +152,7 @@ def entry_path(cache: str | os.PathLike, key: CacheKey) -> Path:
 
 
 def load_or_plan(cache: str | os.PathLike, fn: Any, params: Any, *example_batch: Any, world_size: int,
-                 schedule: str = "1f1b", write: bool = True, workshop: Workshop | None = None,
+                 schedule: str = "auto", write: bool = True, workshop: Workshop | None = None,
                  build: Any = None, **options: Any) -> CachedPlan:
     """The cached plan for these inputs, or `engine.planning.search.search(...)` with them, saved (if `write`).
 

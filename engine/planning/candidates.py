@@ -61,7 +61,8 @@ class Candidates:
 
     def __init__(self, workshop: Workshop, *, schedule: str, build: Callable[..., schedules.Table],
                  model: CostModel, memory: MemoryModel, limit: float, min_blocks: int,
-                 recompute: bool | str = False, fused_recompute: bool = False) -> None:
+                 recompute: bool | str = False, fused_recompute: bool = False,
+                 blocks: dict[tuple[Any, ...], Blocks] | None = None) -> None:
         self.workshop, self.batch = workshop, workshop.batch
         self.recompute = recompute
         self.fused_recompute = fused_recompute  # the compiler fuses cheap recomputation: see recompute.settle
@@ -70,8 +71,10 @@ class Candidates:
         self._tables: dict[Layout, schedules.Table] = {}
         self._live: dict[int, tuple[schedules.Table, tuple[int, ...]]] = {}  # id(table) -> (table, its peak_live)
         self.traced = False  # cost stages on their own traced joints (set for fixed cuts), not stitched ones
+        self.screen = False  # evaluate zero-bubble orders by their hand-built seeds only (see `evaluate`)
         self._zero: dict[Layout, bool] = {}  # "auto": the layouts that fit only with ZeRO-1
-        self._blocks: dict[tuple[int, bool, bool, bool], Blocks] = {}
+        # shared by the planners of one search (schedule="auto": one per candidate schedule, one model and workshop)
+        self._blocks: dict[tuple[Any, ...], Blocks] = {} if blocks is None else blocks
         self._exact: dict[int, dict[tuple[int, int, bool], StageCost]] = {}
 
     def memory_for(self, layout: Layout) -> MemoryModel:
@@ -97,7 +100,7 @@ class Candidates:
     def blocks(self, size: int, fine: bool, *, exact: bool = False, split_bw: bool = False) -> Blocks:
         """Blocks at this microbatch size, with estimated costs or (`exact`) costs from stage autodiff
         (`split_bw`: the schedule runs B and W apart)."""
-        key = (size, fine, exact, split_bw and exact)
+        key = (size, fine, exact, split_bw and exact, self.min_blocks, self.traced)
         if key not in self._blocks:
             if exact:
                 self._blocks[key] = exact_blocks(self.graph(size), self.blocks(size, fine), self.model,
@@ -111,15 +114,21 @@ class Candidates:
         return exact(self.graph(size), cuts, self.model, cache=cache, recompute=recompute,
                      differentiate=self.differentiate(size))
 
-    def table(self, layout: Layout, stages: Sequence[StageCost] | None = None) -> schedules.Table:
+    def table(self, layout: Layout, stages: Sequence[StageCost] | None = None, *, screen: bool = False
+              ) -> schedules.Table:
         """The layout's table (built once per layout); with `stages`, the zero-bubble family's order built for
-        their costs."""
+        their costs (`screen`: the hand-built orders timed under them, no search: see `estimated`)."""
         if stages is not None:
-            return build_table(self.build, self.schedule, layout.num_stages, layout.microbatches,
-                               dict(self.options(layout, stages)))
+            options = dict(self.options(layout, stages))
+            if screen and self.schedule in FROM_COSTS:
+                options["search"] = False
+            return build_table(self.build, self.schedule, layout.num_stages, layout.microbatches, options)
         if layout not in self._tables:
+            options = dict(self.options(layout))
+            if self.schedule in FROM_COSTS:  # the splitter reads only its live counts; what runs is built for costs
+                options["search"] = False
             self._tables[layout] = build_table(self.build, self.schedule, layout.num_stages, layout.microbatches,
-                                               dict(self.options(layout)))
+                                               options)
         return self._tables[layout]
 
     def live(self, table: schedules.Table) -> tuple[int, ...]:
@@ -145,15 +154,18 @@ class Candidates:
             cut_time=tuple(self.model.comm_time(b) for b in blocks.cut_bytes))
 
     def evaluate(self, layout: Layout, stages: tuple[StageCost, ...], table: schedules.Table, *,
-                 fine: bool = False, bounds: tuple[int, ...] = ()) -> Candidate:
+                 fine: bool = False, bounds: tuple[int, ...] = (), screen: bool | None = None) -> Candidate:
         """Simulate `stages` under the layout's schedule (the zero-bubble family's order rebuilt for their
-        costs); add the dp gradient all-reduce."""
+        costs; `screen` (default `self.screen`): only its hand-built orders timed, an upper bound, and the
+        candidate's options say so); add the dp gradient all-reduce."""
         if layout.replicated:
             return replicas.evaluate(self, layout, stages, table, fine=fine, bounds=bounds)
         memory = self.memory_for(layout)
         options = self.options(layout, stages)
         if self.schedule in FROM_COSTS:
-            table = self.table(layout, stages)
+            screen = self.screen if screen is None else screen
+            table = self.table(layout, stages, screen=screen)
+            options = tuple(sorted({**dict(options), "search": False}.items())) if screen else options
         sim = schedules.simulate(table, schedule_costs(stages, table, self.model, memory))
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
         allreduce = self.model.allreduce_time(max(grads), layout.dp)
@@ -202,7 +214,9 @@ class Candidates:
     def estimated(self, layout: Layout) -> Candidate:
         """The layout split and simulated on block estimates (SplitError when nothing fits). Cuts stay
         between modules unless cutting inside them makes the slowest stage INNER_CUT_GAIN faster. With the
-        recipe's shard_optimizer="auto", a layout that does not fit is tried again with ZeRO-1."""
+        recipe's shard_optimizer="auto", a layout that does not fit is tried again with ZeRO-1. A zero-bubble
+        schedule is timed with its hand-built orders under the estimated costs (`screen`), not searched: a
+        search per layout was 85 % of a plan's time (engine/planning/auto.py); the layouts made exact get it."""
         try:
             return self._estimated(layout)
         except SplitError:
@@ -230,7 +244,7 @@ class Candidates:
         use_fine = coarse is None or fine[0].bottleneck < (1 - INNER_CUT_GAIN) * coarse[0].bottleneck
         chosen, flags = fine if use_fine or coarse is None else coarse
         stages = estimate(self.graph(size), self.blocks(size, use_fine), chosen.bounds, recompute=flags)
-        return self.evaluate(layout, stages, table, fine=use_fine, bounds=chosen.bounds)
+        return self.evaluate(layout, stages, table, fine=use_fine, bounds=chosen.bounds, screen=True)
 
 
 def _block_label(blocks: Blocks, k: int) -> str:

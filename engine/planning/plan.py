@@ -169,7 +169,7 @@ def format_plan(plan: Plan) -> str:
     """A table of the stages (RaNNC-style log: per stage its equations, modules, size, time, memory and
     traffic per microbatch), then the layout and the predicted step."""
     lines = [_cells(tuple(name for name, _ in _COLUMNS)), *(_cells(_row(s)) for s in plan.stages)]
-    opts = "".join(f", {k}={v}" for k, v in plan.schedule_options if k != "costs")
+    opts = "".join(f", {k}={v}" for k, v in plan.schedule_options if k not in ("costs", "search"))
     limit = nbytes(plan.memory_limit) if plan.memory_limit else "none"
     ranks = ", ".join(nbytes(m) for m in plan.rank_memory) or "-"
     lines += [
@@ -184,7 +184,11 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"ZeRO-1: optimizer state split over the dp {plan.dp} replicas of each stage")
     lines += _terms(plan)
     if dict(plan.schedule_options).get("costs") is not None:
-        lines.append(f"{plan.schedule} order built for the stages' F, B, W and transfer times (schedules.from_costs)")
+        if dict(plan.schedule_options).get("search") is False:
+            lines.append(f"{plan.schedule} order: the fastest hand-built one under the stages' F, B, W and transfer "
+                         "times (the search found none faster; schedules.from_costs)")
+        else:
+            lines.append(f"{plan.schedule} order built for the stages' F, B, W and transfer times (schedules.from_costs)")
     if any(plan.recompute):
         lines.append(f"activation recomputation on stages {[k for k, r in enumerate(plan.recompute) if r]}")
     if any(plan.remat):

@@ -28,9 +28,10 @@ from ..progress import track
 from ..units import nbytes
 from . import replicas as replicas_mod
 from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
-from .auto import AUTO, search_auto
+from .auto import AUTO, pipelined, search_auto
 from .calibration import Calibration
 from .candidates import (
+    FROM_COSTS,
     MULTI_STAGE_SCHEDULES,
     V_SHAPED,
     Candidate,
@@ -116,7 +117,29 @@ def _calibrate(stages: Sequence[StageCost], guesses: Sequence[StageCost], bounds
 
 
 def _refine(planner: Candidates, first: Candidate) -> Candidate:
-    """Make a candidate exact: stage autodiff for its stages, recalibrate the blocks, re-split until stable."""
+    """Make a candidate exact: stage autodiff for its stages, recalibrate the blocks, re-split until stable. A
+    zero-bubble order is screened on the way (its hand-built orders timed) and searched for the split kept."""
+    planner.screen = True
+    try:
+        best = _refine_split(planner, first)
+    finally:
+        planner.screen = False
+    return _searched(planner, best)
+
+
+def _searched(planner: Candidates, screened: Candidate) -> Candidate:
+    """`screened` with the zero-bubble order searched for its stages' costs (schedules.from_costs), unless the
+    searched order is slower or overflows a rank: then the screened one stays (its options keep search=False,
+    so the plan runs that order)."""
+    if planner.schedule not in FROM_COSTS:
+        return screened
+    table = planner.table(screened.layout)
+    found = planner.evaluate(screened.layout, screened.stages, table, fine=screened.fine, bounds=screened.bounds)
+    fits = max(found.rank_memory) <= planner.limit
+    return found if fits and found.step_time <= screened.step_time else screened
+
+
+def _refine_split(planner: Candidates, first: Candidate) -> Candidate:
     layout = first.layout
     size = layout.microbatch_size(planner.batch_size)
     table, graph = planner.table(layout), planner.graph(size)
@@ -261,70 +284,130 @@ def _recipe_text(recipe: Recipe | None) -> str:
     return "" if recipe is None else ", ".join(f"{k} {v}" for k, v in recipe.to_dict().items() if v is not None)
 
 
-def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedule: str = "1f1b",
-           stages: int | str | None = None, dp: int | str | None = None, microbatches: int | str = "auto",
-           memory_limit: int | None = None, device: str | DeviceProfile = "cpu", stages_per_rank: int | None = None,
-           cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
-           memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
-           recompute: bool | str = "auto", workshop: Workshop | None = None,
-           build: Callable[..., schedules.Table] | None = None, has_aux: bool = False,
-           fused_recompute: bool = False, recipe: Recipe | None = None,
-           min_microbatch_size: int | None = None, replicas: Sequence[int] | str | None = None) -> Planned:
+def search(fn: Any, params: Any, *example_batch: Any, world_size: int = 1, schedule: str = AUTO,
+           workshop: Workshop | None = None, has_aux: bool = False, device: str | DeviceProfile = "cpu",
+           **options: Any) -> Planned:
     """`plan(...)` with what it computed on the way: the chosen Plan, its microbatch graph, every stage's
     F/B/W programs and the lowered, validated table (`Planned`). `workshop` (tracing and stage autodiff,
     each done once) and `build` (the schedule's builder) may be handed in by a caller that has them.
     `fused_recompute`: the programs will be compiled by a compiler that fuses pointwise work (inductor), so
     the cheap recomputation costs no extra kernels and every stage takes it (`recompute.settle`)."""
     require_function(fn, "engine.plan")
+    workshop = workshop or Workshop(fn, params, example_batch, device=get_device(device).kind, has_aux=has_aux)
+    blocks: dict[tuple[Any, ...], Any] = {}  # the blocks and their costs, one set for every schedule searched
+
+    def open_session(name: str, build: Callable[..., schedules.Table] | None = None) -> Session:
+        return Session.open(fn, params, *example_batch, world_size=world_size, schedule=name, workshop=workshop,
+                            device=device, build=build, blocks=blocks, **options)
+
     if schedule == AUTO:
-        return search_auto(search, fn, params, *example_batch, world_size=world_size, stages=stages, dp=dp,
-                           microbatches=microbatches, memory_limit=memory_limit, device=device,
-                           stages_per_rank=stages_per_rank, cuts=cuts, link=link, memory_model=memory_model,
-                           calibration=calibration, recompute=recompute, has_aux=has_aux,
-                           fused_recompute=fused_recompute, recipe=recipe, min_microbatch_size=min_microbatch_size,
-                           replicas=replicas,
-                           workshop=workshop or Workshop(fn, params, example_batch, device=get_device(device).kind,
-                                                         has_aux=has_aux))
-    profile = get_device(device)
-    model = CostModel(profile, get_link(link, profile), calibration)
-    build = build or schedule_builder(schedule)
-    assert build is not None
-    recompute = recompute_mode(recompute)
-    if memory_limit is not None and not memory_limit > 0:
-        raise PlanError(f"memory_limit is bytes per rank and must be > 0, got {memory_limit!r}; None means the "
-                        f"device's {nbytes(profile.memory_bytes)}")
-    if cuts is not None:
-        if isinstance(stages, int) and stages != len(cuts) + 1:
-            raise PlanError(f"stages={stages} but {len(cuts)} cuts make {len(cuts) + 1} stages; give one or the other")
-        stages = len(cuts) + 1
-    counts = replicas_mod.requested(replicas)
-    v, candidates = _layouts(counts, schedule, stages_per_rank, world_size, batch_size_of(example_batch), stages=stages,
-                             dp=dp, microbatches=microbatches)
-    candidates = above_floor(candidates, batch_size_of(example_batch), *floor_of(fn, min_microbatch_size),
-                             auto=not isinstance(microbatches, int))
-    # traced for the profile's device even where there is none (a laptop planning a GPU cluster)
-    workshop = workshop or Workshop(fn, params, example_batch, device=profile.kind, has_aux=has_aux)
-    memory = with_recipe(memory_model, recipe_of(recipe), params)
-    planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory,
-                         limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
-                         min_blocks=max(c.num_stages for c in candidates), recompute=recompute,
-                         fused_recompute=fused_recompute)
-    if cuts is not None:
-        planner.traced = True
-        return _chosen(planner, _fixed_cuts(planner, candidates, tuple(cuts)))
-    ranked, reasons = _rank_layouts(planner, candidates)
-    best = _first_fitting(planner, ranked, reasons)
-    if replicas_mod.considered(counts, stages, dp):
-        unequal, _ = _rank_layouts(planner, replicas_mod.auto_layouts(planner, world_size, v=v, stages=stages, dp=dp,
-                                                                      microbatches=microbatches))
-        if replicas_mod.promising(unequal, ranked, best is None):  # made exact only when the estimates say so
-            picked = replicas_mod.choose(best, _first_fitting(planner, unequal, reasons))
-            if picked is not None:
-                return _chosen(planner, *picked)
-    if best is None:
-        raise SplitError("no layout fits: " + "; ".join(reasons[:4]) +
-                         (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
-    return _chosen(planner, best)
+        options.pop("build", None)
+        return search_auto(open_session, stages_per_rank=options.get("stages_per_rank"),
+                           pipeline=pipelined(world_size, options.get("dp")))
+    return open_session(schedule, options.pop("build", None)).finish()
+
+
+@attrs.define(eq=False)
+class Session:
+    """One schedule's search (how: the module docstring): its planner and layouts, ranked on estimates once,
+    the best made exact on demand. `search` finishes one; `schedule="auto"` opens one per candidate schedule on
+    one Workshop and finishes the one it picks (engine/planning/auto.py)."""
+
+    planner: Candidates
+    layouts: list[Layout]
+    counts: tuple[int, ...] | str | None
+    v: int
+    world_size: int
+    shape: dict[str, Any]  # the user's stages, dp and microbatches ("auto" or counts)
+    cuts: tuple[int, ...] | None
+    _ranked: tuple[list[Candidate], list[str]] | None = None
+    _exact: Candidate | SplitError | None = None
+
+    @classmethod
+    def open(cls, fn: Any, params: Any, *example_batch: Any, world_size: int, schedule: str, workshop: Workshop,
+             stages: int | str | None = None, dp: int | str | None = None, microbatches: int | str = "auto",
+             memory_limit: int | None = None, device: str | DeviceProfile = "cpu", stages_per_rank: int | None = None,
+             cuts: Sequence[int] | None = None, link: str | LinkProfile | None = None,
+             memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
+             recompute: bool | str = "auto", build: Callable[..., schedules.Table] | None = None,
+             fused_recompute: bool = False, recipe: Recipe | None = None, min_microbatch_size: int | None = None,
+             replicas: Sequence[int] | str | None = None, blocks: dict[tuple[Any, ...], Any] | None = None
+             ) -> Session:
+        """The planner of `schedule` for these options, checked (PlanError), nothing split yet."""
+        profile = get_device(device)
+        model = CostModel(profile, get_link(link, profile), calibration)
+        build = build or schedule_builder(schedule)
+        assert build is not None
+        recompute = recompute_mode(recompute)
+        if memory_limit is not None and not memory_limit > 0:
+            raise PlanError(f"memory_limit is bytes per rank and must be > 0, got {memory_limit!r}; None means the "
+                            f"device's {nbytes(profile.memory_bytes)}")
+        if cuts is not None:
+            if isinstance(stages, int) and stages != len(cuts) + 1:
+                raise PlanError(f"stages={stages} but {len(cuts)} cuts make {len(cuts) + 1} stages; give one or the "
+                                "other")
+            stages = len(cuts) + 1
+        counts = replicas_mod.requested(replicas)
+        batch_size = batch_size_of(example_batch)
+        v, candidates = _layouts(counts, schedule, stages_per_rank, world_size, batch_size, stages=stages, dp=dp,
+                                 microbatches=microbatches)
+        candidates = above_floor(candidates, batch_size, *floor_of(fn, min_microbatch_size),
+                                 auto=not isinstance(microbatches, int))
+        memory = with_recipe(memory_model, recipe_of(recipe), params)
+        planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory,
+                             limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
+                             min_blocks=max(c.num_stages for c in candidates), recompute=recompute,
+                             fused_recompute=fused_recompute, blocks=blocks)
+        planner.traced = cuts is not None
+        return cls(planner, candidates, counts, v, world_size, {"stages": stages, "dp": dp,
+                                                                "microbatches": microbatches},
+                   None if cuts is None else tuple(cuts))
+
+    def ranked(self) -> tuple[list[Candidate], list[str]]:
+        """Every layout split and simulated on estimates, fastest first, and why the others failed (once)."""
+        if self._ranked is None:
+            self._ranked = ([], []) if self.cuts is not None else _rank_layouts(self.planner, self.layouts)
+        return self._ranked
+
+    def exact(self) -> Candidate:
+        """The fastest layout with equal replicas that fits once made exact (the user's cuts, if given);
+        SplitError naming why none does."""
+        if self._exact is None:
+            try:
+                self._exact = self._make_exact()
+            except SplitError as err:
+                self._exact = err
+        if isinstance(self._exact, SplitError):
+            raise self._exact
+        return self._exact
+
+    def _make_exact(self) -> Candidate:
+        if self.cuts is not None:
+            return _fixed_cuts(self.planner, self.layouts, self.cuts)
+        ranked, reasons = self.ranked()
+        found = _first_fitting(self.planner, ranked, reasons)
+        if found is None:
+            raise SplitError("no layout fits: " + "; ".join(reasons[:4]) +
+                             (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
+        return found
+
+    def finish(self) -> Planned:
+        """The chosen plan: `exact`, or an unequal replica layout where one is predicted REPLICA_GAIN faster."""
+        if self.cuts is not None:
+            return _chosen(self.planner, self.exact())
+        ranked, reasons = self.ranked()
+        try:
+            best: Candidate | None = self.exact()
+        except SplitError:
+            best = None
+        if replicas_mod.considered(self.counts, self.shape["stages"], self.shape["dp"]):
+            unequal, _ = _rank_layouts(self.planner, replicas_mod.auto_layouts(
+                self.planner, self.world_size, v=self.v, **self.shape))
+            if replicas_mod.promising(unequal, ranked, best is None):  # made exact only when the estimates say so
+                picked = replicas_mod.choose(best, _first_fitting(self.planner, unequal, reasons))
+                if picked is not None:
+                    return _chosen(self.planner, *picked)
+        return _chosen(self.planner, best if best is not None else self.exact())  # (raises why none fits)
 
 
 def _layouts(counts: tuple[int, ...] | str | None, schedule: str, stages_per_rank: int | None, world_size: int,
@@ -362,8 +445,8 @@ def plan(fn: Any, params: Any, *example_batch: Any, **options: Any) -> Plan:
     (`plan.recompute` says which). `min_microbatch_size`: no layout splits the batch into microbatches of
     fewer rows (engine.planning.floor; 16 by default for BatchNorm in train mode). `has_aux=True`: `fn` returns `(loss, aux)` (see `engine.parallelize`);
     otherwise it must return one floating-point scalar that depends on the params (`ir.check_loss` refuses
-    anything else with ir.TraceError). `schedule="auto"` plans every built-in schedule and keeps the fastest
-    (engine/planning/auto.py). Other options: `world_size` (1), `schedule` ("1f1b"),
+    anything else with ir.TraceError). `schedule` is a registered name or "auto" (the default): every built-in
+    schedule planned, the fastest kept (engine/planning/auto.py). Other options: `world_size` (1),
     `stages_per_rank`, `link`, `memory_model`, `calibration`, `recipe` (engine.Recipe: the optimizer,
     master-weight and grad dtypes and ZeRO-1 the memory is planned for; `plan.shard_optimizer` says
     whether ZeRO-1 was chosen, and print(plan) shows each term of the memory per rank), `replicas` (ranks per pipeline stage, like (2, 1); or

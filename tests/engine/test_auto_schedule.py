@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 
 import attrs
+
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import schedules
-from engine.errors import SplitError
+from engine.errors import PlanError
 from engine.execution.inprocess import build_steps, run_steps
-from engine.planning.auto import CANDIDATES, TIE, search_auto
+from engine.planning.auto import CANDIDATES, PRUNE, TIE, pick
 from engine.planning.candidates import FROM_COSTS
 from engine.planning.plan import Plan
 from engine.planning.search import plan
@@ -44,20 +45,19 @@ def test_auto_picks_the_earliest_near_fastest_candidate_and_lists_them() -> None
     assert Plan.from_json(p.to_json()) == p
 
 
-@attrs.frozen
-class _Plan:
-    schedule: str
-    predicted_step_time: float
-    num_stages: int = 4
-    pipeline_depth: int = 2
-    dp: int = 1
-    microbatches: int = 8
-    considered: tuple = ()
-
-
-@attrs.frozen
-class _Planned:
-    plan: _Plan
+def test_auto_makes_exact_only_the_candidates_near_the_best_estimate() -> None:
+    """Two microbatches on four ranks: the fill-drain schedules idle most of the step, so their estimates are
+    PRUNE past the best exact prediction and they are listed with their estimate, not searched; the pick is among
+    the others."""
+    params = init_params(GPT, torch.bfloat16, "meta")
+    tokens, targets = example_batch(GPT, 8, "meta")
+    p = plan(make_loss_fn(GPT), params, tokens, targets, world_size=4, device="h100", microbatches=2, schedule="auto")
+    pruned = {name: t for name, text, t in p.considered if text.endswith("not made exact")}
+    exact = {name: t for name, text, t in p.considered if name not in pruned and t != float("inf")}
+    assert {"1f1b", "gpipe"} <= set(pruned) and p.schedule in exact
+    assert min(pruned.values()) > (1 + PRUNE) * min(exact.values())  # estimates past the exact best too
+    assert p.predicted_step_time == min(exact.values()) or p.predicted_step_time <= min(exact.values()) * (1 + TIE)
+    assert "not made exact" in str(p)
 
 
 @pytest.mark.parametrize("times,chosen", [
@@ -65,18 +65,15 @@ class _Planned:
     ({"1f1b": 10.0, "zbv": 9.0, "dualpipev": 8.95}, "zbv"),          # zbv and dualpipev tie: the earlier
     ({"1f1b": 10.0, "zbv": 9.0, "dualpipev": 8.0}, "dualpipev"),     # a clear winner
     ({"gpipe": 10.0, "zbv": float("nan")}, "gpipe"),                 # zbv does not fit
+    ({"dualpipev": 8.0, "zbv": float("inf"), "gpipe": 8.07}, "gpipe"),  # CANDIDATES' order, not the dict's
 ])
 def test_auto_takes_the_earliest_candidate_within_the_tie(times: dict[str, float], chosen: str) -> None:
-    def search(*_: object, schedule: str, **__: object) -> _Planned:
-        if schedule not in times or times[schedule] != times[schedule]:
-            raise SplitError(f"{schedule} does not fit")
-        return _Planned(_Plan(schedule, times[schedule]))
+    assert pick(times) == chosen
 
-    picked = search_auto(search, None, None, workshop=None).plan
-    assert picked.schedule == chosen
-    listed = [(name, t) for name, _, t in picked.considered]
-    assert [t for _, t in listed] == sorted(t for _, t in listed)
-    assert {name for name, t in listed if t != float("inf")} == {s for s, t in times.items() if t == t}
+
+def test_auto_with_nothing_fitting_says_so() -> None:
+    with pytest.raises(PlanError, match="no candidate schedule fits"):
+        pick({"1f1b": float("inf"), "zbv": float("nan")})
 
 
 def test_zero_bubble_orders_are_built_from_the_plan_costs() -> None:
@@ -100,6 +97,14 @@ def test_zero_bubble_orders_are_built_from_the_plan_costs() -> None:
     fixed = schedules.simulate(schedules.zbv(zbv.num_stages, zbv.microbatches), costs).makespan
     assert built <= fixed
     assert "zbv order built for the stages' F, B, W and transfer times" in str(zbv)
+    # where the search finds no faster order, the plan keeps the hand-built one and says so (and runs it)
+    kept = attrs.evolve(zbv, schedule_options=tuple(sorted({**options, "search": False}.items())))
+    assert "zbv order: the fastest hand-built one under the stages' F, B, W and transfer times" in str(kept)
+    assert "search=False" not in str(kept).splitlines()[0]
+    hand = schedules.simulate(kept.table(), costs).makespan
+    assert built <= hand and hand == min(schedules.simulate(t, costs).makespan for t in (
+        schedules.zbv(zbv.num_stages, zbv.microbatches), schedules.hand_orders.zbv_order(zbv.num_stages // 2,
+                                                                                         zbv.microbatches)))
 
 
 @pytest.mark.parametrize("schedule", ["auto", "interleaved-zb", "dualpipev", "looped-bfs"])

@@ -71,7 +71,7 @@ def test_world_size_must_equal_stages_times_dp(world: int, stages: int, dp: int 
 
 def test_one_process_cannot_hold_two_stages_of_a_one_stage_per_rank_schedule() -> None:
     with pytest.raises(PlanError, match=r"stages=2, dp=None do not fit world_size=1.*valid stage counts are \[1\]"):
-        engine.parallelize(models.loss_fn, PARAMS, *BATCH, stages=2, microbatches=4)
+        engine.parallelize(models.loss_fn, PARAMS, *BATCH, schedule="1f1b", stages=2, microbatches=4)
 
 
 def test_zbv_needs_an_even_stage_count() -> None:
@@ -92,7 +92,7 @@ def test_interleaved_needs_microbatches_in_groups_of_the_ranks() -> None:
 def test_one_stage_per_rank_schedule_refuses_stages_per_rank() -> None:
     with pytest.raises(PlanError, match=r"'1f1b' runs one stage per rank; stages_per_rank=2 needs one of "
                                         r"\['dualpipev', 'interleaved-1f1b', 'interleaved-zb', 'looped-bfs', 'zbv'\]"):
-        plan(models.loss_fn, PARAMS, *BATCH, world_size=2, stages=4, stages_per_rank=2)
+        plan(models.loss_fn, PARAMS, *BATCH, world_size=2, schedule="1f1b", stages=4, stages_per_rank=2)
 
 
 def test_more_stages_than_the_model_has_cut_points() -> None:

@@ -104,7 +104,8 @@ def test_stages_that_print_alike_share_their_programs(monkeypatch) -> None:
     graph = ir.trace(passes.mlp_loss, params, x[:2], y[:2])
     cuts = [k for k, e in enumerate(graph.eqns) if e.op.startswith("aten.tanh")][:3]
     calls.clear()
-    planned = search(passes.mlp_loss, params, x, y, world_size=4, cuts=[c + 1 for c in cuts], microbatches=4)
+    planned = search(passes.mlp_loss, params, x, y, world_size=4, cuts=[c + 1 for c in cuts], microbatches=4,
+                     schedule="1f1b")
     ads = [info.ad for info in planned.stages]
     assert ads[1] is ads[2] and len({id(a) for a in ads}) == 3, [len(s.stage.graph.eqns) for s in planned.stages]
     assert len(calls) == 3  # stage 0 prints like the middle ones but its input is batch (constant): its own

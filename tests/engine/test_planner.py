@@ -30,6 +30,7 @@ def _gpt() -> tuple[dict, torch.Tensor, torch.Tensor]:
 def _plan(world: int, microbatches: int, **kw: object) -> Plan:
     params, tokens, targets = _gpt()
     batch = microbatches * MICROBATCH * kw.pop("dp", 1)  # type: ignore[operator]
+    kw.setdefault("schedule", "1f1b")  # the splitter under one schedule (auto's choice: test_auto_schedule.py)
     return plan(make_loss_fn(GPT), params, tokens[:batch], targets[:batch], world_size=world, device="h100",
                 microbatches=microbatches, **kw)
 
@@ -166,7 +167,7 @@ def test_branching_graph_counts_carried_values_on_every_cut() -> None:
         assert s.send_bytes >= (2 * 4 * 32 * 4 if s.index < 2 else 0)  # the running h and the carried e
 
 
-@pytest.mark.parametrize("kw", [dict(world_size=2), dict(world_size=4, schedule="zbv", stages=8)])
+@pytest.mark.parametrize("kw", [dict(world_size=2, schedule="1f1b"), dict(world_size=4, schedule="zbv", stages=8)])
 def test_planned_split_runs_and_matches_torch_func_grad(kw: dict) -> None:
     small = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
     params, batch = init_params(small, torch.float64), example_batch(small, 8)

@@ -23,7 +23,7 @@ from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
 # meta tensors only: big enough that activations, not weights, fill memory (seq 512, microbatch 4)
 MEDIUM = GPTConfig(vocab_size=256, seq_len=512, d_model=512, n_layers=8, head_dim=64)
-PLAN_KW = dict(world_size=4, microbatches=8, device="h100")
+PLAN_KW = dict(world_size=4, microbatches=8, device="h100", schedule="1f1b")  # 1F1B's memory by rank
 
 
 def _hand_plan(graph: ir.Graph, schedule: str, recompute: tuple[bool | str, ...], m: int = 4) -> Plan:

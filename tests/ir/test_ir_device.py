@@ -100,7 +100,7 @@ try:
     ran = "ran"
 except ir.IRError as err:
     ran = str(err)
-plan = engine.plan(loss, params, *batch, world_size=4, device="h100")
+plan = engine.plan(loss, params, *batch, world_size=4, device="h100", schedule="1f1b")
 print(json.dumps({"cuda": torch.cuda.is_available(), "devices": sorted(devices), "costs": costs.splitlines()[-1],
                   "attention": sorted(op for op in ops if "attention" in op), "ran": ran,
                   "plan": [plan.device, len(plan.stages), plan.world_size]}))

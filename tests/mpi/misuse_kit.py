@@ -47,16 +47,17 @@ class Ctx:
 
     def step(self, kind: str) -> engine.Step:
         """`base`: the issue's call; `every`/`never`/`first`: cut after w1 with that check_inputs;
-        `tied`: the tied-embedding model (its embedding on both ranks); `dp`: one stage, dp 2."""
+        `tied`: the tied-embedding model (its embedding on both ranks); `dp`: one stage, dp 2. Each on 1F1B, whose
+        placement (stage k on rank k) the cases read; the cases that call parallelize themselves plan "auto"."""
         if kind not in self._steps:
             p, x, y = self.params, self.x, self.y
             make = {
-                "base": lambda: engine.parallelize(loss_fn, p, x, y, microbatches=4, timeout=TIMEOUT),
-                "tied": lambda: engine.parallelize(models.loss_fn, models.init_params(layers=4),
-                                                   *models.batch(size=16), microbatches=4, timeout=TIMEOUT),
+                "base": lambda: engine.parallelize(loss_fn, p, x, y, schedule="1f1b", microbatches=4, timeout=TIMEOUT),
+                "tied": lambda: engine.parallelize(models.loss_fn, models.init_params(layers=4), *models.batch(size=16),
+                                                   schedule="1f1b", microbatches=4, timeout=TIMEOUT),
                 "dp": lambda: engine.parallelize(loss_fn, p, x, y, microbatches=2, stages=1, dp=2, timeout=TIMEOUT),
-            }.get(kind, lambda: engine.parallelize(loss_fn, p, x, y, microbatches=4, cuts=[2], check_inputs=kind,
-                                                   timeout=TIMEOUT))
+            }.get(kind, lambda: engine.parallelize(loss_fn, p, x, y, schedule="1f1b", microbatches=4, cuts=[2],
+                                                   check_inputs=kind, timeout=TIMEOUT))
             self._steps[kind] = make()
         return self._steps[kind]
 

@@ -78,7 +78,8 @@ def main() -> None:
     for name, options in cases.items():
         c = counting()
         try:
-            step = engine.parallelize(mlp_loss, params, x, y, microbatches=4, stages=2, timeout=60, **options)
+            step = engine.parallelize(mlp_loss, params, x, y, schedule="1f1b", microbatches=4, stages=2, timeout=60,
+                                          **options)  # one schedule: what one path means (auto plans eight)
         finally:
             c.restore()
         stages = c.keys["stage_autodiff"]

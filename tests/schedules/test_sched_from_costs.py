@@ -44,6 +44,24 @@ def test_orders_from_costs_are_valid_within_memory_and_no_slower(case: tuple[str
     assert all(a <= b for a, b in zip(mine.peak_live, limit))
 
 
+@settings(max_examples=25, deadline=None)
+@given(cases())
+def test_the_screen_times_the_hand_built_orders_and_bounds_the_search(case: tuple[str, int, int, Costs]) -> None:
+    """search=False (what the planner ranks layouts with): valid, within memory, no faster than the searched order
+    and no slower than the family's fixed order under the same costs."""
+    name, n, m, costs = case
+    options = FAMILY[name][1]
+    screened = schedules.get(name)(n, m, costs=costs, search=False, **options)
+    searched = schedules.get(name)(n, m, costs=costs, **options)
+    schedules.validate(screened)
+    quick, full = schedules.simulate(screened, costs), schedules.simulate(searched, costs)
+    fixed = schedules.simulate(schedules.get(name)(n, m, search=False, **options), costs)
+    assert full.makespan <= quick.makespan + 1e-9 and quick.makespan <= fixed.makespan + 1e-9
+    default = {"zbv": n, "dualpipev": n + 1, "interleaved-zb": n}.get(name)
+    if default is not None:
+        assert max(quick.peak_live) <= default
+
+
 def test_max_live_bounds_memory_and_costs_time() -> None:
     costs = Costs.uniform(0.5, 1.0, 0.5)
     roomy = schedules.simulate(schedules.zbv(8, 16, costs=costs), costs)
@@ -67,6 +85,7 @@ def test_list_schedule_makespan_bounds_the_simulation() -> None:
     ({"costs": ((1.0, 2.0), 1.0, 1.0)}, r"zbv: costs' forward must be one number >= 0 or 4 \(one per stage\)"),
     ({"max_live": 1}, r"zbv: max_live must be an int >= 2 \(the stages of a rank\) or one per rank \(2\)"),
     ({"costs": (1, 1, 1), "max_live": (4,)}, r"max_live must be an int >= 2 .* or one per rank \(2\)"),
+    ({"costs": (1, 1, 1), "search": "quick"}, r"zbv: search must be True \(search for the order\) or False"),
 ])
 def test_bad_options_name_the_fix(options: dict[str, object], message: str) -> None:
     with pytest.raises(ScheduleError, match=message):
