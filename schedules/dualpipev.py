@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from schedules._params import check_counts, take_options
 from schedules.action import BW, Action, B, F, W
 from schedules.errors import ScheduleError
@@ -47,15 +49,20 @@ def dualpipev(num_stages: int, num_microbatches: int, **options: object) -> Tabl
             f"dualpipev needs at least as many microbatches as stages (DeepSeek's order pairs "
             f"them across the V): got {num_microbatches} microbatches for {num_stages} stages; "
             f"use num_microbatches >= {num_stages}, or zbv")
-    placement = tuple(s if s < p else num_stages - 1 - s for s in range(num_stages))
-    rows = [_rank_order(r, p, num_microbatches) for r in range(p)]
-    fixed = Table(num_stages, num_microbatches, placement, rows)
+    fixed = _deepseek(p, num_microbatches)
     built = order_for("dualpipev", fixed, chosen, default_live=(2 * p + 1,) * p)
     if built == fixed:  # equal, not identical: build_from_costs caches
         return fixed
     fused = fuse_adjacent(built)
     costs = costs_of(parse_times("dualpipev", option_costs(chosen, 2), num_stages))
     return fused if simulate(fused, costs).makespan <= simulate(built, costs).makespan else built
+
+
+@functools.lru_cache(maxsize=64)  # a planner builds the order from costs for every split it tries: seed once
+def _deepseek(p: int, m: int) -> Table:
+    """DeepSeek's order (PyTorch's ScheduleDualPipeV), rank by rank."""
+    placement = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    return Table(2 * p, m, placement, [_rank_order(r, p, m) for r in range(p)])
 
 
 def _rank_order(r: int, p: int, m: int) -> list[Action]:

@@ -236,10 +236,16 @@ def order_for(name: str, fixed: Table, options: dict[str, object], *, default_li
     placement = fixed.stage_to_rank
     v = max(_chunk_of(placement)) + 1
     times = parse_times(name, option_costs(options, v), fixed.num_stages)
-    default = tuple(default_live) if default_live is not None else simulate(fixed).peak_live
+    default = tuple(default_live) if default_live is not None else _unit_peaks(fixed)
     limits = rank_limits(name, options.get("max_live"), default, v)
     return build_from_costs(placement, fixed.num_microbatches, times, limits, (fixed, *seeds),
                             search=search_option(name, options))
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_peaks(fixed: Table) -> tuple[int, ...]:
+    """What the fixed order holds per rank (its default ``max_live``), simulated once per table."""
+    return tuple(simulate(fixed).peak_live)
 
 
 def search_option(name: str, options: dict[str, object]) -> bool:

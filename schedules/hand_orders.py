@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 # ``schedules.from_costs`` builds an order for the plan's times by a list-scheduling search. A search
 # that merely lands near the best order can lose by a few per cent to a hand-built loop whose steady
 # state happens to suit the costs (PyTorch's interleaved zero-bubble loop with B = 2F, its ZBV order
@@ -22,6 +24,7 @@ from schedules.table import Table
 __all__ = ["interleaved_zb_loop", "zbv_order"]
 
 
+@functools.lru_cache(maxsize=64)  # a planner asks for each layout's order again for every split it costs
 def interleaved_zb_loop(p: int, v: int, m: int) -> Table | None:
     """PyTorch's ScheduleInterleavedZeroBubble order (ZB1P with v stages per rank, stage s on rank
     s mod p): microbatches in rounds of m // max(1, m // p); None where PyTorch refuses m (m not a
@@ -79,6 +82,7 @@ def _interleaved_row(r: int, p: int, v: int, m: int, per_round: int) -> list[Act
     return row.actions
 
 
+@functools.lru_cache(maxsize=64)
 def zbv_order(p: int, m: int) -> Table:
     """PyTorch's ScheduleZBVZeroBubble order on p ranks (rank r holds stages r and 2p-1-r): a warm-up
     of 2(p-r)-1 forwards down the V, then F, B, W of each leg in turn, the W's held back in the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from schedules._params import check_counts, take_options
 from schedules._phased import one_stage_per_rank
 from schedules.from_costs import order_for
@@ -32,8 +34,10 @@ def zb_h1(num_stages: int, num_microbatches: int, **options: object) -> Table:
     """
     check_counts("zb-h1", num_stages, num_microbatches)
     chosen = take_options("zb-h1", options, {"costs": None, "max_live": None, "search": True})
-    fixed = one_stage_per_rank(
-        num_stages, num_microbatches, warmup=lambda rank: num_stages - 1 - rank,
-        weight_lag=lambda rank: rank,
-    )
-    return order_for("zb-h1", fixed, chosen)
+    return order_for("zb-h1", _fixed(num_stages, num_microbatches), chosen)
+
+
+@functools.lru_cache(maxsize=64)  # a planner builds the order from costs for every split it tries: seed once
+def _fixed(num_stages: int, num_microbatches: int) -> Table:
+    return one_stage_per_rank(num_stages, num_microbatches, warmup=lambda rank: num_stages - 1 - rank,
+                              weight_lag=lambda rank: rank)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from schedules._greedy import greedy_table
 from schedules._params import check_counts, take_options
 from schedules.action import Action, B, F, W
@@ -40,10 +42,16 @@ def zbv(num_stages: int, num_microbatches: int, **options: object) -> Table:
             f" use {num_stages - 1 or 2} or {num_stages + 1}"
         )
     p = num_stages // 2
+    fixed = _greedy(p, num_microbatches)
+    return order_for("zbv", fixed, chosen, default_live=[2 * p] * p, seeds=(zbv_order(p, num_microbatches),))
+
+
+@functools.lru_cache(maxsize=64)  # a planner builds the order from costs for every split it tries: seeds once
+def _greedy(p: int, num_microbatches: int) -> Table:
+    """The fixed order: the greedy over urgencies with F = B = W."""
 
     def urgency(action: Action) -> tuple[int, int]:
         return _URGENCY[(action.kind, int(action.stage >= p))], action.microbatch
 
-    placement = [s if s < p else num_stages - 1 - s for s in range(num_stages)]
-    fixed = greedy_table(placement, num_microbatches, live_limit=[2 * p] * p, priority=urgency)
-    return order_for("zbv", fixed, chosen, default_live=[2 * p] * p, seeds=(zbv_order(p, num_microbatches),))
+    placement = [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+    return greedy_table(placement, num_microbatches, live_limit=[2 * p] * p, priority=urgency)

@@ -3,7 +3,8 @@
 One process, no launch: a laptop plans for a cluster. Every candidate layout (pipeline depth, dp,
 microbatches) is split on estimated block costs and simulated with its schedule; the fastest that fits in
 memory is then made exact: its stages go through stage autodiff, the block estimates are corrected by
-what autodiff reports, and the split is redone until it is stable and every rank fits.
+what autodiff reports, and the split is redone until it is stable and every rank fits (engine/planning/refine.py).
+Each schedule's search is a `Session`; `schedule="auto"` (the default) runs one per candidate (auto.py).
 
 Activation recomputation is chosen per stage inside the split (`stagecost.split_recompute`): with
 recompute="auto" a stage recomputes only when it does not fit its budget without, paying its forward
@@ -20,7 +21,6 @@ from typing import Any
 
 import attrs
 
-import ir
 import schedules
 
 from ..errors import PlanError, SplitError, require_function
@@ -31,7 +31,6 @@ from .artifacts import IncompleteTableError, Planned, Workshop, lowered_table
 from .auto import AUTO, pipelined, search_auto
 from .calibration import Calibration
 from .candidates import (
-    FROM_COSTS,
     MULTI_STAGE_SCHEDULES,
     V_SHAPED,
     Candidate,
@@ -45,14 +44,11 @@ from .memory import MemoryModel, rank_terms, with_recipe
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
 from .recipe import Recipe, recipe_of
-from .recompute import settle
-from .stage_costs import StageCost, estimate, recompute_mode, splits_bw
+from .refine import describe, fixed_cuts, refine_auto
+from .stage_costs import recompute_mode
 
 log = logging.getLogger("engine.plan")
 split_log = logging.getLogger("engine.split")
-
-REFINE_ROUNDS = 4
-
 
 def _stages_per_rank(schedule: str, stages_per_rank: int | None, stages: Any, dp: Any, world_size: int) -> int:
     if schedule in V_SHAPED:
@@ -90,170 +86,10 @@ def _rank_layouts(planner: Candidates, candidates: Sequence[Layout]) -> tuple[li
         except IncompleteTableError as err:  # the schedule is broken, not this layout
             raise PlanError(str(err)) from err
         except (SplitError, schedules.ScheduleError) as err:
-            reasons.append(f"{_describe(layout)}: {err}")
-            log.debug("%s does not fit: %s", _describe(layout), err)
+            reasons.append(f"{describe(layout)}: {err}")
+            log.debug("%s does not fit: %s", describe(layout), err)
     found.sort(key=lambda c: (c.step_time, c.layout.num_stages, c.layout.microbatches))
     return found, reasons
-
-
-def _describe(layout: Layout) -> str:
-    return (f"{layout.num_stages} stages on {layout.pipeline_depth} ranks{replicas_mod.describe(layout)} x dp "
-            f"{layout.dp}, {layout.microbatches} microbatches")
-
-
-def _calibrate(stages: Sequence[StageCost], guesses: Sequence[StageCost], bounds: Sequence[int],
-               time_scale: list[float], saved_scale: list[float], split_bw: bool) -> None:
-    """Scale each block's estimates by its stage's exact / estimated ratio (a recomputing stage's
-    activations by its workspace: what it would keep is what it redoes)."""
-    for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
-        t = stages[k].time / guesses[k].time if guesses[k].time > 0 else 1.0
-        if stages[k].recompute:
-            held, guess = stages[k].workspace_bytes, guesses[k].workspace_bytes
-        else:
-            held, guess = stages[k].saved_bytes + (stages[k].b_to_w_bytes if split_bw else 0), guesses[k].saved_bytes
-        m = held / guess if guess else 1.0
-        for x in range(i, j):
-            time_scale[x], saved_scale[x] = t, m
-
-
-def _refine(planner: Candidates, first: Candidate) -> Candidate:
-    """Make a candidate exact: stage autodiff for its stages, recalibrate the blocks, re-split until stable. A
-    zero-bubble order is screened on the way (its hand-built orders timed) and searched for the split kept."""
-    planner.screen = True
-    try:
-        best = _refine_split(planner, first)
-    finally:
-        planner.screen = False
-    return _searched(planner, best)
-
-
-def _searched(planner: Candidates, screened: Candidate) -> Candidate:
-    """`screened` with the zero-bubble order searched for its stages' costs (schedules.from_costs), unless the
-    searched order is slower or overflows a rank: then the screened one stays (its options keep search=False,
-    so the plan runs that order)."""
-    if planner.schedule not in FROM_COSTS:
-        return screened
-    table = planner.table(screened.layout)
-    found = planner.evaluate(screened.layout, screened.stages, table, fine=screened.fine, bounds=screened.bounds)
-    fits = max(found.rank_memory) <= planner.limit
-    return found if fits and found.step_time <= screened.step_time else screened
-
-
-def _refine_split(planner: Candidates, first: Candidate) -> Candidate:
-    layout = first.layout
-    size = layout.microbatch_size(planner.batch_size)
-    table, graph = planner.table(layout), planner.graph(size)
-    split_bw = splits_bw(table)
-    blocks = planner.blocks(size, first.fine, exact=True, split_bw=split_bw)
-    time_scale, saved_scale = [1.0] * blocks.num_blocks, [1.0] * blocks.num_blocks
-    budgets = [planner.limit / layout.stages_per_rank] * layout.num_stages
-    part, flags = planner.split(layout, table, blocks)
-    bounds, seen, best, last = part.bounds, set(), None, None
-    for _ in range(REFINE_ROUNDS):
-        last = settle(planner, layout, table, size, [blocks.bounds[b] for b in bounds[1:-1]], flags,
-                      fine=first.fine, bounds=bounds)
-        stages = last.stages
-        if max(last.rank_memory) <= planner.limit and (best is None or last.step_time < best.step_time):
-            best = last
-        seen.add((bounds, flags))
-        _calibrate(stages, estimate(graph, blocks, bounds, recompute=flags), bounds, time_scale, saved_scale,
-                   split_bw)
-        seen_peaks = planner.block_peaks(table, blocks, bounds, flags, time_scale, saved_scale, layout)
-        for rank, peak in enumerate(last.rank_memory):
-            for s in table.stages_of(rank) if peak > planner.limit else ():  # so that this split no longer fits
-                budgets[s] = min(budgets[s], seen_peaks[s]) * planner.limit / peak
-        try:
-            part, flags = planner.split(layout, table, blocks, time_scale, saved_scale, budgets)
-        except SplitError:
-            if best is not None:
-                break
-            raise
-        bounds = part.bounds
-        if (bounds, flags) in seen and best is not None:
-            break
-    if best is None:
-        raise SplitError(_exact_overflow(last, planner.limit, table, planner.recompute))
-    return best
-
-
-def _refine_auto(planner: Candidates, first: Candidate) -> Candidate:
-    """`_refine`; when "auto" made stages recompute, also the best split without any, and the faster of the two."""
-    best = _refine(planner, first)
-    if planner.recompute != "auto" or not any(best.recompute):
-        return best
-    planner.recompute = False
-    try:
-        plain = _refine(planner, planner.estimated(first.layout))
-    except (SplitError, schedules.ScheduleError):
-        return best
-    finally:
-        planner.recompute = "auto"
-    return plain if plain.step_time <= best.step_time else best
-
-
-def _exact_overflow(cand: Candidate, limit: float, table: schedules.Table, mode: bool | str = False) -> str:
-    rank = max(range(len(cand.rank_memory)), key=lambda r: cand.rank_memory[r])
-    mine = table.stages_of(rank)
-    largest = max(cand.stages, key=lambda s: s.saved_bytes + s.b_to_w_bytes)
-    redo = [k for k in mine if cand.stages[k].recompute]
-    if mode is False:
-        fix = ("make it fit with activation recomputation (recompute='auto'), more pipeline stages, or a smaller "
-               "microbatch (more microbatches per step); or raise memory_limit")
-    else:
-        fix = ("make it fit with more pipeline stages or a smaller microbatch (more microbatches per step); or raise "
-               "memory_limit")
-    done = f", with activation recomputation on stages {redo}" if redo else ""
-    return (f"{_describe(cand.layout)}: rank {rank} (stages {list(mine)}) needs {nbytes(cand.rank_memory[rank])} by "
-            f"stage autodiff{done}, the limit is {nbytes(limit)}; the largest stage keeps "
-            f"{nbytes(largest.saved_bytes + largest.b_to_w_bytes)} of activations per microbatch; {fix}")
-
-
-def _fixed_cuts(planner: Candidates, candidates: Sequence[Layout], cuts: Sequence[int]) -> Candidate:
-    """The user's cuts, costed exactly, under the fastest layout that fits."""
-    best, reasons = None, []
-    for layout in candidates:
-        size = layout.microbatch_size(planner.batch_size)
-        try:
-            table = planner.table(layout)
-            if _over_without_recompute(planner, layout, table, size, cuts):
-                planner.shard_instead(layout)  # ZeRO-1 "auto" before recomputation: it costs no compute
-            cand = _fixed_recompute(planner, layout, table, size, cuts)
-        except (schedules.ScheduleError, ir.IRError) as err:
-            raise PlanError(f"cuts {list(cuts)} with {_describe(layout)}: {err}") from err
-        if max(cand.rank_memory) > planner.limit:
-            reasons.append(_exact_overflow(cand, planner.limit, table, planner.recompute))
-        elif best is None or cand.step_time < best.step_time:
-            best = cand
-    if best is None:
-        raise SplitError("; ".join(reasons))
-    return best
-
-
-def _over_without_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
-                            cuts: Sequence[int]) -> bool:
-    """Whether the cuts overflow a rank with no more recomputation than asked (only probed where
-    shard_optimizer="auto" could still shard this layout)."""
-    recipe = planner.memory.recipe
-    if recipe is None or recipe.shard_optimizer != "auto" or layout.dp == 1:
-        return False
-    levels: list[bool | str] = [planner.recompute is True] * layout.num_stages
-    cand = planner.evaluate(layout, planner.exact(size, cuts, levels), table)
-    return max(cand.rank_memory) > planner.limit
-
-
-def _fixed_recompute(planner: Candidates, layout: Layout, table: schedules.Table, size: int,
-                     cuts: Sequence[int]) -> Candidate:
-    """Fixed cuts costed exactly; with recompute "auto", the stages of each rank over the limit
-    recompute (until every rank fits or all its stages do), the cheap level first (`recompute.settle`)."""
-    flags = [planner.recompute is True] * layout.num_stages
-    while True:
-        cand = settle(planner, layout, table, size, cuts, flags)
-        over = [s for r, peak in enumerate(cand.rank_memory) if peak > planner.limit for s in table.stages_of(r)
-                if not flags[s]]
-        if planner.recompute != "auto" or not over:
-            return cand
-        for s in over:
-            flags[s] = True
 
 
 def _to_plan(planner: Candidates, cand: Candidate, schedule: str) -> Plan:
@@ -383,7 +219,7 @@ class Session:
 
     def _make_exact(self) -> Candidate:
         if self.cuts is not None:
-            return _fixed_cuts(self.planner, self.layouts, self.cuts)
+            return fixed_cuts(self.planner, self.layouts, self.cuts)
         ranked, reasons = self.ranked()
         found = _first_fitting(self.planner, ranked, reasons)
         if found is None:
@@ -425,7 +261,7 @@ def _first_fitting(planner: Candidates, ranked: Sequence[Candidate], reasons: li
     """The first of the ranked candidates that fits once made exact; why the others did not, in `reasons`."""
     for cand in track(ranked, "planning: exact stage costs"):
         try:
-            return _refine_auto(planner, cand)
+            return refine_auto(planner, cand)
         except SplitError as err:
             reasons.append(str(err))
             log.debug("%s", err)
