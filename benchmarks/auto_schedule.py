@@ -9,8 +9,9 @@ microbatches or the layouts that fit change), `engine.plan(schedule="auto")` wit
 "auto". A row prints each fixed schedule's predicted step (ms; "-" where it does not fit) as auto considered it
 (`plan.considered`: the same search as `engine.plan(schedule=name)`, sharing one trace; `--independent` plans
 every fixed schedule on its own as well and notes any difference), auto's pick, its layout and rank among the
-fixed ones (1 = the best prediction), and the planning seconds of auto against the default ("1f1b", planned on
-its own).
+fixed ones (1 = the best prediction; "~" marks an estimate: auto did not make that schedule exact, its best
+estimate being 25 % past the best), and the planning seconds of auto against "1f1b" planned on its own (each
+after a warm-up plan of the model, with no zero-bubble order cached from an earlier plan).
 
 Measuring (`--measure`, under mpirun, gloo on CPU, float32): world = the launch's size, roomy memory, dp = 1
 (a pipeline: with dp "auto" these small models plan as pure data parallelism, where every schedule is the
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import engine
+import schedules
 from engine.errors import PlanError, SplitError
 from engine.planning.auto import CANDIDATES
 from examples import gpt_model, llama_model, resnet_model
@@ -71,8 +73,10 @@ PIPELINE = {"stages": "auto", "dp": 1, "microbatches": "auto"}  # measured: a pi
 
 
 def _plan(model: Model, schedule: str, **options: Any) -> tuple[engine.Plan | None, float]:
-    """The plan (None where nothing fits) and the seconds `engine.plan` took."""
+    """The plan (None where nothing fits) and the seconds `engine.plan` took, with no order cached from an earlier
+    plan (schedules.build_from_costs keeps them per process)."""
     fn, params, batch = model
+    schedules.build_from_costs.cache_clear()
     start = time.perf_counter()
     try:
         found = engine.plan(fn, params, *batch, schedule=schedule, **OPTIONS, **options)
@@ -84,22 +88,26 @@ def _plan(model: Model, schedule: str, **options: Any) -> tuple[engine.Plan | No
 def predict_row(name: str, world: int, memory: str, args: argparse.Namespace, limit: int | None
                 ) -> tuple[str, int | None]:
     """One row of the prediction table, and the tight limit this world's roomy auto plan implies. Each fixed
-    schedule's time is what auto considered for it (the same search, one shared trace), or with `--independent`
-    its own `engine.plan`; the default ("1f1b") is always planned on its own too, for the planning-time ratio."""
+    schedule's time is what auto considered for it (the same search, one shared trace; an estimate where auto
+    did not make it exact), or with `--independent` its own `engine.plan`; "1f1b" (the default until auto) is
+    always planned on its own too, for the planning-time ratio."""
     model = MODELS[name]("meta")
     options = {"world_size": world, "device": args.device, "memory_limit": limit}
+    _plan(model, "1f1b", **options)  # warm-up: torch's first traces of a process are slower
+    default, default_s = _plan(model, "1f1b", **options)
     auto, auto_s = _plan(model, "auto", **options)
     if auto is None:
         return f"{name:7} {world:>2} {memory:6} auto: nothing fits", None
     considered = {s: t for s, _, t in auto.considered if t != float("inf")}
-    default, default_s = _plan(model, "1f1b", **options)
     own = {s: _plan(model, s, **options)[0] for s in CANDIDATES} if args.independent else {"1f1b": default}
     for s, p in own.items():  # a schedule planned on its own must predict what auto considered for it
         mine = p.predicted_step_time if p is not None else None
         if mine != considered.get(s):
             print(f"  note: {s} planned on its own predicts {mine}, auto considered {considered.get(s)}")
     rank = 1 + sum(t < auto.predicted_step_time - 1e-12 for t in considered.values())
-    cells = " ".join(f"{considered[s] * 1e3:8.2f}" if s in considered else f"{'-':>8}" for s in CANDIDATES)
+    pruned = {s for s, text, _ in auto.considered if text.endswith("not made exact")}  # "~": auto's estimate
+    cells = " ".join(f"{'~' if s in pruned else '':>1}{considered[s] * 1e3:7.2f}" if s in considered else f"{'-':>8}"
+                     for s in CANDIDATES)
     tight = int(max(auto.rank_memory) * 0.5) if memory == "roomy" and auto.rank_memory else None
     layout = f"{auto.num_stages}x{auto.dp} m{auto.microbatches}"
     return (f"{name:7} {world:>2} {memory:6} {cells}  {auto.schedule:16} {layout:10} {rank:>4}  {auto_s:6.1f} "
