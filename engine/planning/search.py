@@ -50,6 +50,7 @@ from .stage_costs import recompute_mode
 log = logging.getLogger("engine.plan")
 split_log = logging.getLogger("engine.split")
 
+
 def _stages_per_rank(schedule: str, stages_per_rank: int | None, stages: Any, dp: Any, world_size: int) -> int:
     if schedule in V_SHAPED:
         if stages_per_rank not in (None, 2):
