@@ -62,7 +62,7 @@ def list_schedule(
         if best is None or any(at < now + patience * duration and k < best_key for at, k in coming):
             if soonest >= 0:
                 heapq.heappush(run.events, (soonest, r, False))
-            run.waiting.append(r)  # an input whose producer ends meanwhile may come sooner
+            run.wait(r)  # an input whose producer ends meanwhile may come sooner
             continue
         if now + duration > bound:
             return None
@@ -94,6 +94,12 @@ class _Run:
         self.events = [(0.0, r, False) for r in range(num_ranks)]  # (time, rank, an action of it ends)
         self.waiting: list[int] = []
         self.remaining, self.makespan = 3 * num_stages * m, 0.0
+
+    def wait(self, r: int) -> None:
+        """Rank ``r`` waits for the next action to end. Once: a rank listed twice would be woken twice, and with
+        actions of zero time (a stage without weights has no W) the copies multiplied at every end."""
+        if r not in self.waiting:
+            self.waiting.append(r)
 
     def wake(self, now: float) -> None:
         for other in self.waiting:

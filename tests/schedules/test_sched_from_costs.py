@@ -80,6 +80,30 @@ def test_list_schedule_makespan_bounds_the_simulation() -> None:
         assert schedules.simulate(table, costs_of(times)).makespan <= span
 
 
+def test_list_schedule_events_stay_linear_with_free_actions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stages with zero-time actions (no weights: no W; an empty stage) once made a waiting rank listed again at
+    every end, so the events doubled: one zbv order of 8 stages x 4 microbatches took 16 s (the harness's tied
+    model). Each action's end wakes every rank at most once, and a waiting rank asks once for an input coming."""
+    import schedules._list as module
+
+    pushed = [0]
+    push = module.heapq.heappush
+
+    def counting(heap: list, item: object) -> None:
+        pushed[0] += 1
+        push(heap, item)
+
+    monkeypatch.setattr(module.heapq, "heappush", counting)
+    placement, m = (0, 1, 2, 3, 3, 2, 1, 0), 4
+    times = ((0.2, 0.4, 0.6, 1.0, 0.4, 0.2, 0.0, 0.4), (0.0, 0.6, 0.2, 1.0, 0.2, 0.2, 0.0, 0.4),
+             (0.4, 0.6, 0.4, 1.0, 0.4, 0.4, 0.0, 0.0), (1.0,) * 8)
+    for key in _keys(placement)[:2]:
+        pushed[0] = 0
+        done = list_schedule(placement, m, times, live_limit=(8,) * 4, key=key)
+        assert done is not None and schedules.simulate(done[0], costs_of(times)).makespan <= done[1] <= 26.2
+        assert pushed[0] <= 3 * len(placement) * m * (4 + 2), pushed[0]  # 3 S m actions, 4 ranks
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"costs": (1.0, 2.0)}, r"zbv: costs must be a schedules.Costs or \(forward, backward_input, backward_weight"),
     ({"costs": ((1.0, 2.0), 1.0, 1.0)}, r"zbv: costs' forward must be one number >= 0 or 4 \(one per stage\)"),
