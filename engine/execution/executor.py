@@ -8,6 +8,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import ir
 
+from .calls import Call, Groups, prepare
 from .compilers import COMPILERS, CompileLog, check_compiler, resolve  # noqa: F401 -- check_compiler re-exported
 from .emit import StageInfo
 from .packing import Layouts
@@ -32,6 +33,9 @@ class Executor:
         self.tracer: Tracer | None = None
         self.parts: dict[tuple[int, str, tuple[int, ...]], Callable[..., Any]] = {}  # (stage, kind, accumulate)
         self.layouts = Layouts(infos)  # each transfer's messages (`packing`)
+        self.groups: Groups = {}
+        self.calls = prepare(program, infos, self.groups)  # each compute's operands by source (`calls`)
+        self.templates: dict[int, list[Any]] = {}  # per Call.group: its parameter operands, this step
         last = infos[-1]
         self.loss_dtype = last.stage.graph.outputs[last.loss_index].aval.dtype
         self.aux_avals = [last.stage.graph.outputs[j].aval for j in last.aux_indices()]  # has_aux: every rank sums them
@@ -47,6 +51,7 @@ class Executor:
         self.pending: dict[str, Any] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.grads: dict[int, torch.Tensor] = {}
+        self.templates = {}
         self.loss = torch.zeros((), dtype=_summed(self.loss_dtype), device=self.device)
         self.aux = [torch.zeros(a.shape, dtype=_summed(a.dtype), device=self.device) for a in self.aux_avals]
         tracer = self.tracer
@@ -93,13 +98,12 @@ class Executor:
                                                     accumulate)
         return self.parts[key]
 
-    def accumulator(self, ref: str) -> torch.Tensor:
-        """The grad accumulator `g<leaf>`, zeros at its first use in a step: compiled W / BW programs add
-        each weight grad into it as soon as it is made (see `ir.compile_graph`'s `accumulate`)."""
-        pid = int(ref[1:])
-        if pid not in self.grads:
-            self.grads[pid] = torch.zeros_like(self.params[pid], memory_format=torch.contiguous_format)
-        return self.grads[pid]
+    def accumulator(self, leaf: int) -> torch.Tensor:
+        """The grad accumulator of parameter `leaf` (`g<leaf>`), zeros at its first use in a step: compiled W / BW
+        programs add each weight grad into it as soon as it is made (see `ir.compile_graph`'s `accumulate`)."""
+        if leaf not in self.grads:
+            self.grads[leaf] = torch.zeros_like(self.params[leaf], memory_format=torch.contiguous_format)
+        return self.grads[leaf]
 
     # -- operands -------------------------------------------------------------------------------
     def read(self, ref: str, mb: int) -> torch.Tensor:
@@ -127,18 +131,40 @@ class Executor:
 
     # -- handlers -------------------------------------------------------------------------------
     def compute(self, ins: Instr) -> None:
-        ad = self.infos[ins.stage].ad
-        edge = len(ad.grad_slots) + sum(c is not None for c in ad.ct_slots)  # inputs, then cotangents
-        slots = getattr(ad, ins.kind).in_slots
-        args = [self.read(r, ins.mb) for r in ins.reads]
+        call = self.calls.get(id(ins)) or self._prepare(ins)
+        args = self._param_args(call)
+        mb = self.mbs[call.mb] if call.batch else None
+        for pos, leaf in call.batch:
+            args[pos] = mb[leaf]  # type: ignore[index]
+        pending, bufs = self.pending, self.bufs
+        for pos, ref in call.buffers:
+            if ref in pending:
+                pending.pop(ref).wait(self.transport, ref)
+            args[pos] = bufs[ref]
         # Stage inputs and cotangents were traced as contiguous placeholders; a value handed over on the
         # same rank (zbv's turn of the V) or given by the user may not be, and a traced `view` needs it.
-        args = [a.contiguous() if s < edge and not a.is_contiguous() else a for a, s in zip(args, slots)]
-        acc = ins.accumulated()
-        outs = self._part(ins.stage, ins.kind, acc)(*args, *[self.accumulator(ins.writes[k]) for k in acc])
-        for ref, value in zip(ins.writes, outs):
-            if ref[0] != "g":
-                self.write(ref, value)
+        for pos, _ in (*call.batch, *call.buffers):
+            if pos in call.contiguous and not args[pos].is_contiguous():
+                args[pos] = args[pos].contiguous()
+        accs = [self.accumulator(p) for p in call.grads]
+        outs = self._part(call.stage, call.kind, call.accumulate)(*args, *accs)
+        bufs.update((ref, outs[k]) for k, ref in call.writes)
+
+    def _prepare(self, ins: Instr) -> Call:
+        """A compute instruction not in the program (a test's hook may run one): prepared on first use."""
+        self.calls.update(prepare(Program(-1, (ins,)), self.infos, self.groups))
+        return self.calls[id(ins)]
+
+    def _param_args(self, call: Call) -> list[Any]:
+        """A fresh argument list with the call's parameters in place: built once a step per parameter group."""
+        template = self.templates.get(call.group)
+        if template is None:
+            template = [None] * call.size
+            for pos, leaf in call.params:
+                p = self.params[leaf]
+                template[pos] = p.contiguous() if pos in call.contiguous and not p.is_contiguous() else p
+            self.templates[call.group] = template
+        return template.copy()
 
     def comm(self, ins: Instr) -> None:
         """Post every transfer of the group, each as its layout's messages (small tensors packed: `packing`)."""
@@ -179,7 +205,8 @@ class Executor:
         values = [self.read(ref, ins.mb) for ref in ins.reads]
         with torch.no_grad():
             for group in self.sum_groups:
-                shares = torch._foreach_div([values[k].to(totals[k].dtype) for k in group], float(self.m * self.dp))
+                dtype = totals[group[0]].dtype
+                shares = torch._foreach_div([_as(values[k], dtype) for k in group], float(self.m * self.dp))
                 torch._foreach_add_([totals[k] for k in group], shares)
 
     def reduce_grads(self, ins: Instr) -> None:
@@ -227,6 +254,10 @@ class _Pending:
         if not self.done:
             transport.wait(self.handle, f"receiving {ref}")
             self.done = True
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _summed(dtype: torch.dtype) -> torch.dtype:

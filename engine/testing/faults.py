@@ -104,7 +104,7 @@ class DropWeightGrad(Fault):
         self.fired += 1
         if ins.kind == "backward_weight":
             return SKIP
-        executor.accumulator = lambda ref: torch.zeros_like(executor.params[int(ref[1:])])  # thrown away
+        executor.accumulator = lambda leaf: torch.zeros_like(executor.params[leaf])  # thrown away
         self.pending = lambda: delattr(executor, "accumulator")  # the class's accumulator again
         return None
 

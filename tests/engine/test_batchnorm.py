@@ -187,3 +187,28 @@ def test_each_layer_sends_one_partial_and_no_later_layers_buffers() -> None:
     first_relu = next(i for i, e in enumerate(g.eqns) if e.op == "aten.relu.default")
     sent = [list(g.defined())[v].aval for v in ir.split(g, [first_relu + 1])[0].acts_out]
     assert sorted(tuple(a.shape) for a in sent) == sorted([tuple(x.shape[:1]) + (4, 6, 6), (6, 4)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_layers_updated_together_give_each_layers_own_update(dtype: torch.dtype) -> None:
+    """`finish` updates the layers with the same settings in one go (their partials side by side): the same
+    numbers, bit for bit, as each layer finished alone, in the same tree, each leaf with its own storage."""
+    from engine.training.batchnorm import finish, nest
+
+    torch.manual_seed(0)
+    settings = [(3, 0.1, 1e-5), (8, None, 1e-5), (5, 0.1, 1e-5), (16, 0.1, 1e-3), (7, None, 1e-5)]
+    layers = {f"block{i}.bn": nn.BatchNorm2d(c, momentum=mom, eps=eps).to(dtype)
+              for i, (c, mom, eps) in enumerate(settings)}
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    rows = {name: torch.stack([torch.randn(c), torch.rand(c) + 1, torch.randn(c), torch.rand(c) + 0.5,
+                               torch.full((c,), 64.0), torch.full((c,), 3.0)]).to(acc)
+            for name, (c, _, _) in zip(layers, settings)}
+    together = finish(layers)(nest(rows), 4)["buffers"]
+    assert list(together) == [name.split(".")[0] for name in layers]  # the traced order
+    for name, layer in layers.items():
+        alone = finish({name: layer})(nest({name: rows[name]}), 4)["buffers"]
+        block, bn = name.split(".")
+        for key, value in alone[block][bn].items():
+            got = together[block][bn][key]
+            assert got.dtype == value.dtype and torch.equal(got, value), (name, key)
+            assert got.untyped_storage().nbytes() == got.numel() * got.element_size(), (name, key)
