@@ -151,9 +151,9 @@ class Executor:
         bufs.update((ref, outs[k]) for k, ref in call.writes)
 
     def _prepare(self, ins: Instr) -> Call:
-        """A compute instruction not in the program (a test's hook may run one): prepared on first use."""
-        self.calls.update(prepare(Program(-1, (ins,)), self.infos, self.groups))
-        return self.calls[id(ins)]
+        """A compute instruction not in the program: prepared for this call only (an id is only unique while its
+        object lives, and the program's instructions are the ones that live as long as the Executor)."""
+        return prepare(Program(-1, (ins,)), self.infos, self.groups)[id(ins)]
 
     def _param_args(self, call: Call) -> list[Any]:
         """A fresh argument list with the call's parameters in place: built once a step per parameter group."""
