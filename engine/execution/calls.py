@@ -42,7 +42,8 @@ Groups = dict[tuple[int, tuple[tuple[int, int], ...]], int]  # (size, parameter 
 
 
 def prepare(program: Program, infos: Sequence[StageInfo], groups: Groups) -> dict[int, Call]:
-    """Every compute instruction of `program`, keyed by `id(instr)` (the program outlives its Executor);
+    """Every compute instruction of `program`, keyed by `id(instr)` (unique while the Executor
+    holds the program);
     `groups` numbers the distinct parameter lists, shared by every call prepared for one Executor."""
     return {id(ins): _prepare(ins, infos[ins.stage], groups) for ins in program.instrs if ins.kind in COMPUTE}
 

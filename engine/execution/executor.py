@@ -112,12 +112,13 @@ class Executor:
             return self.params[idx]
         if kind == "x":
             return self.mbs[mb][idx]
+        return self.buffer(ref)
+
+    def buffer(self, ref: str) -> torch.Tensor:
+        """Buffer `ref`, once its receive (if it is one still pending) has been waited on."""
         if ref in self.pending:
             self.pending.pop(ref).wait(self.transport, ref)
         return self.bufs[ref]
-
-    def write(self, ref: str, value: torch.Tensor) -> None:
-        self.bufs[ref] = value
 
     def _retire_sends(self) -> None:
         """Forget sends that have finished. Sends are never waited on mid-step: on NCCL that would make
@@ -136,11 +137,8 @@ class Executor:
         mb = self.mbs[call.mb] if call.batch else None
         for pos, leaf in call.batch:
             args[pos] = mb[leaf]  # type: ignore[index]
-        pending, bufs = self.pending, self.bufs
         for pos, ref in call.buffers:
-            if ref in pending:
-                pending.pop(ref).wait(self.transport, ref)
-            args[pos] = bufs[ref]
+            args[pos] = self.buffer(ref)
         # Stage inputs and cotangents were traced as contiguous placeholders; a value handed over on the
         # same rank (zbv's turn of the V) or given by the user may not be, and a traced `view` needs it.
         for pos, _ in (*call.batch, *call.buffers):
@@ -148,7 +146,7 @@ class Executor:
                 args[pos] = args[pos].contiguous()
         accs = [self.accumulator(p) for p in call.grads]
         outs = self._part(call.stage, call.kind, call.accumulate)(*args, *accs)
-        bufs.update((ref, outs[k]) for k, ref in call.writes)
+        self.bufs.update((ref, outs[k]) for k, ref in call.writes)
 
     def _prepare(self, ins: Instr) -> Call:
         """A compute instruction not in the program: prepared for this call only (an id is only unique while its
