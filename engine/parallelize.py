@@ -145,7 +145,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
     step.forward = getattr(loss_fn, "forward", None)  # engine.functionalize's eval-mode forward (step.evaluate)
-    return _checked(step, planned.entry)
+    return _checked(step, planned.entry, example_batch)
 
 
 def training_recipe(recipe: Recipe | None, shard_optimizer: bool | str) -> Recipe | None:
@@ -171,13 +171,19 @@ def _mixed(fn: Callable, dtype: torch.dtype) -> Callable:
     return out
 
 
-def _checked(step: Step, entry: plancache.CachedPlan | None) -> Step:
-    """The ranks agree (Step.verify), the plan cache records or checks the programs, CUDA kernels load."""
+def _checked(step: Step, entry: plancache.CachedPlan | None, example_batch: Sequence[Any] = ()) -> Step:
+    """The ranks agree (Step.verify), the plan cache records or checks the programs, CUDA kernels load and
+    every program is measured there (Step.profile_programs); elsewhere compiled programs compile."""
     programs = step.verify()
     if entry is not None:
         plancache.record_programs(entry, programs, write=step.world.rank == 0)
-    if step.world.device.type == "cuda" or step.executor.compiler != "fx":  # kernels loaded, programs compiled
+    if step.world.device.type == "cuda":  # kernels loaded, programs compiled and measured
+        step.profile_programs(*example_batch)
+        log.info("rank %d: predicted step %.2f ms from the measured programs (planner: %.2f ms)", step.world.rank,
+                 (step.predicted_step_time or 0.0) * 1e3, step.plan.predicted_step_time * 1e3)
+    elif step.executor.compiler != "fx":
         step.executor.warmup(step.local_stages)
+        step.transport.gather_after_compile(None)  # the ranks wait out each other's compiles here, not in a step
     log.info("rank %d: %s", step.world.rank, step.program)
     for stage, seconds in sorted(step.compile_seconds.items()):
         log.info("rank %d: stage %d compiled in %.1f s (%s)", step.world.rank, stage, seconds, step.executor.compiler)

@@ -1,6 +1,7 @@
 """The runtime: executes one rank's static Program, one small handler per instruction kind."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -12,6 +13,7 @@ from .calls import Call, Groups, prepare
 from .compilers import COMPILERS, CompileLog, check_compiler, resolve  # noqa: F401 -- check_compiler re-exported
 from .emit import StageInfo
 from .packing import Layouts
+from .profile import ProgramCost, first_instructions, measure
 from .program import COMPUTE, Instr, Program
 from .spans import Tracer
 from .transport import Transport
@@ -71,25 +73,36 @@ class Executor:
             tracer.end_step()
         return self.loss, self.grads
 
-    def warmup(self, stages: Sequence[int]) -> None:
+    def warmup(self, stages: Sequence[int], *, batch: dict[int, torch.Tensor] | None = None,
+               profile: bool = False) -> tuple[ProgramCost, ...]:
         """Run each local stage's programs (F, then B and W or BW as this rank's program does) once on
         stand-in data, with no communication, so that every kernel is loaded and every library handle made
         before a step (on GPU a kernel loaded lazily while an NCCL kernel spins can deadlock; `parallelize`
-        calls it there, not on CPU)."""
-        first: dict[tuple[int, str], Instr] = {}
-        for ins in self.program.instrs:
-            if ins.kind in COMPUTE:
-                first.setdefault((ins.stage, ins.kind), ins)
+        calls it there, not on CPU). `batch`: one microbatch's leaves for the batch operands (real token ids
+        rather than zeros). With `profile`, each program is then measured (`engine.execution.profile`), a
+        stage at a time, so only one stage's stand-ins are held at once."""
+        first = first_instructions(self.program)
+        measured: list[ProgramCost] = []
         for s in stages:
             ad = self.infos[s].ad
             slots = {i: stand_in(a, self.device) for i, a in enumerate(ad.slot_avals) if a is not None}
-            for kind in [k for k in COMPUTE if (s, k) in first]:
-                part, acc = getattr(ad, kind), first[(s, kind)].accumulated()
-                scratch = [stand_in(ad.slot_avals[part.out_slots[k]], self.device).zero_() for k in acc]
-                outs = self._part(s, kind, acc)(*[slots[i] for i in part.in_slots], *scratch)
-                slots.update((slot, out) for slot, out in zip(part.out_slots, outs) if out is not None)
+            runs = []
+            for kind in COMPUTE:
+                for key in [k for k in first if k[:2] == (s, kind)]:
+                    part, acc = getattr(ad, kind), key[2]
+                    args = [slots[i] for i in part.in_slots]
+                    for pos, leaf in self.calls[id(first[key])].batch if batch else ():
+                        args[pos] = batch[leaf]  # type: ignore[index]
+                    args += [stand_in(ad.slot_avals[part.out_slots[k]], self.device).zero_() for k in acc]
+                    fn = self._part(s, kind, acc)
+                    outs = fn(*args)
+                    slots.update((slot, out) for slot, out in zip(part.out_slots, outs) if out is not None)
+                    runs.append((key, functools.partial(fn, *args)))
+            if profile:
+                measured += measure(runs, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        return tuple(measured)
 
     def _part(self, stage: int, kind: str, accumulate: tuple[int, ...] = ()) -> Callable[..., Any]:
         key = (stage, kind, accumulate)

@@ -5,7 +5,8 @@ microbatches (every batch leaf, held for the whole step), a grad accumulator `g<
 the end, a buffer `b<n>` from the instruction that writes it (a compute, or a receive posted by a comm
 group) to its `free` (small received tensors are views of one pack, held until its last member's `free`; a
 sent pack is a new buffer during its comm: `packing`), and inside a compute the values its program makes and
-frees (`ir.run_bytes`, with fx's frees at last use). `reduce_grads` flattens its grads into one buffer for
+frees (`ir.run_bytes`, with fx's frees at last use; or, for a program measured on the device, the bytes it
+was seen to make: `engine.execution.profile`). `reduce_grads` flattens its grads into one buffer for
 the all-reduce. This is what `torch.cuda.max_memory_allocated` counts for programs run as fx code, short of
 the libraries' own workspaces (cuBLAS, attention kernels), the allocator's rounding to 512 bytes, and a sent
 buffer (or pack) that its transfer keeps alive past its `free` (or its comm) until the send completes.
@@ -21,6 +22,7 @@ import ir
 from ..units import nbytes
 from .emit import StageInfo
 from .packing import Layouts
+from .profile import Key
 from .program import COMPUTE, Instr, Program
 
 
@@ -43,8 +45,9 @@ class Footprint:
 class _Replay:
     """Walks a program, one small handler per instruction kind, keeping the bytes of each live ref."""
 
-    def __init__(self, infos: Sequence[StageInfo], param_bytes: dict[int, int]) -> None:
-        self.infos, self.param_bytes = infos, param_bytes
+    def __init__(self, infos: Sequence[StageInfo], param_bytes: dict[int, int],
+                 measured: Callable[[Key], int | None] = lambda key: None) -> None:
+        self.infos, self.param_bytes, self.measured = infos, param_bytes, measured
         self.runs: dict[tuple[int, str, tuple[int, ...]], ir.RunBytes] = {}  # a program's bytes, once
         self.live: dict[str, int] = {}
         self.now = 0  # bytes held beyond the static ones
@@ -64,9 +67,12 @@ class _Replay:
         for k in acc:  # accumulators are made (zeros) before the program runs
             self.hold(ins.writes[k], self.param_bytes[int(ins.writes[k][1:])])
         key = (ins.stage, ins.kind, acc)
-        if key not in self.runs:
-            self.runs[key] = ir.run_bytes(part.graph, acc)
-        self.top = self.now + self.runs[key].peak
+        made = self.measured(key)
+        if made is None:
+            if key not in self.runs:
+                self.runs[key] = ir.run_bytes(part.graph, acc)
+            made = self.runs[key].peak
+        self.top = self.now + made
         for ref, slot in zip(ins.writes, part.out_slots):
             if ref[0] == "b" and ref not in ins.reads:
                 self.hold(ref, info.ad.slot_avals[slot].nbytes)
@@ -118,14 +124,17 @@ HANDLERS: dict[str, Callable[[_Replay, Instr], None]] = {
 }
 
 
-def footprint(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, *, microbatches: int) -> Footprint:
-    """The replayed bytes of `program` (a rank of a plan whose stages are `infos`, cut from `graph`)."""
+def footprint(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, *, microbatches: int,
+              measured: Callable[[Key], int | None] = lambda key: None) -> Footprint:
+    """The replayed bytes of `program` (a rank of a plan whose stages are `infos`, cut from `graph`);
+    `measured(key)`: the bytes a compute's program was seen to make (`engine.execution.profile`), where
+    known, instead of fx's frees."""
     param_bytes = {i: graph.inputs[i].aval.nbytes for i in range(graph.num_params)}
     mine = {ins.stage for ins in program.instrs if ins.stage >= 0}
     params = sorted({pid for s in mine for pid in infos[s].stage.param_ids})
     batch = sum(v.aval.nbytes for v in graph.batch)  # every rank gets every leaf of its replica's microbatches
     static = sum(param_bytes[p] for p in params) + microbatches * batch
-    replay = _Replay(infos, param_bytes)
+    replay = _Replay(infos, param_bytes, measured)
     held, peak, peak_at = [], 0, 0
     for i, ins in enumerate(program.instrs):
         replay.top = 0

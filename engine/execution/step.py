@@ -7,6 +7,7 @@ import attrs
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 import ir
@@ -19,6 +20,7 @@ from .assemble import Programs, channels, common_fingerprints, disagreements, in
 from .executor import Executor, Hook
 from .footprint import Footprint, footprint
 from .inputs import Inputs
+from .profile import Profile, gather, predicted_step_time
 from .program import Program
 from .spans import Span, Tracer
 from .transport import DistTransport, Hub, LocalTransport, Transport
@@ -70,6 +72,7 @@ class Step:
         self.executor = Executor(self.program, self.infos, transport, microbatches=self.plan.microbatches,
                                  dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
         self.closed = False
+        self.profile: Profile | None = None  # the stage programs measured on the device (profile_programs)
         self.forward: Callable | None = None  # the eval function step.evaluate runs by default
         self.evaluators: dict[Any, Any] = {}  # (eval function, input shapes) -> its forward-only program
         self.has_aux = ir.returns_aux(self.graph)
@@ -142,10 +145,37 @@ class Step:
     def memory(self) -> tuple[Footprint, ...]:
         """Every world rank's device bytes for one step (params, grads, buffers, temporaries), replayed
         from its program (`engine.footprint`): what `torch.cuda.max_memory_allocated` reads for programs
-        run as fx code, short of library workspaces (inductor-compiled programs free differently; the
-        benchmark saw them within -16 % / +8 % of this). No optimizer state: that is the optimizer's."""
-        return tuple(footprint(p, self.infos, self.graph, microbatches=len(routing.microbatches(self.plan, p.rank)))
+        run as fx code, short of library workspaces. Where the programs were measured on the device
+        (`profile_programs`: compiled programs free differently from fx), each compute counts the bytes
+        it was seen to make. No optimizer state: that is the optimizer's."""
+        measured = self.profile.peak if self.profile is not None else (lambda key: None)
+        return tuple(footprint(p, self.infos, self.graph, microbatches=len(routing.microbatches(self.plan, p.rank)),
+                               measured=measured)
                      for p in self.programs.all())  # a rank holds the batch of the microbatches it runs
+
+    def profile_programs(self, *example_batch: Any) -> Profile:
+        """Load and measure every stage program of every rank on its device (a collective: every rank calls
+        it; `parallelize` does on CUDA): each program's seconds and the bytes it makes, with the example
+        batch's first microbatch for the batch operands. Afterwards `memory()` and `predicted_step_time`
+        come from the programs that run (`engine.execution.profile`). It resets the device's peak-memory
+        counter (torch.cuda.reset_peak_memory_stats)."""
+        mb = None
+        first = split_batch(example_batch, self.plan.microbatches * self.plan.dp)[0] if example_batch else []
+        if first and all(x.device.type != "meta" and not is_fake(x) for x in first):  # else stand-ins throughout
+            offset = self.graph.num_params
+            mb = {offset + j: x.to(self.world.device) for j, x in enumerate(first)}
+        mine = self.executor.warmup(self.local_stages, batch=mb, profile=True)
+        self.profile = gather(mine, self.transport.gather_after_compile)
+        return self.profile
+
+    @property
+    def predicted_step_time(self) -> float | None:
+        """The step's seconds predicted from the measured programs (`profile_programs`): the plan's schedule
+        simulated with every stage's measured F, B and W, plus its dp all-reduce; None before profiling or
+        for unequal replicas per stage. `plan.predicted_step_time` is the planner's, from op costs."""
+        if self.profile is None:
+            return None
+        return predicted_step_time(self.plan, self.table, self.programs.all(), self.profile)
 
     def shard(self, params: Any) -> Any:
         """This rank's leaves moved to its device; leaves used only by other ranks become None. Every leaf is

@@ -1,0 +1,179 @@
+"""The stage programs as they run: each one's seconds and the bytes it allocates, measured once at warm-up.
+
+The planner costs a plan from per-op timings, and the memory replay walks the fx program's frees; both miss
+what a compiler does to a whole program (inductor fuses a norm into its matmul's epilogue, keeps a loss's
+logits out of memory, or widens an embedding's backward to float32). So `parallelize` runs each of this
+rank's programs on the device before the first step (`measure`), the ranks swap what they saw (`gather`),
+and the Step predicts from the programs that will run: `Step.memory()` replays the program with each
+compute's measured bytes in place of fx's, and `Step.predicted_step_time` simulates the plan's own schedule
+with the measured F, B, W (or fused BW) seconds of every stage. Integer inputs of the batch come from the
+example batch (stand-in zeros would send an embedding's whole backward to one row).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+
+import schedules
+
+from ..planning.devices import get_device, get_link
+from ..planning.plan import Plan
+from ..units import nbytes
+from .program import Instr, Program
+
+Key = tuple[int, str, tuple[int, ...]]  # (stage, kind, accumulated output positions): one program
+KIND = {"forward": "F", "backward_input": "B", "backward_weight": "W", "backward": "BW"}
+
+
+@attrs.frozen
+class ProgramCost:
+    """One stage program measured on its rank's device: `seconds` a run (the median of `reps`), and the
+    most bytes it held beyond its inputs during a run (None where the device keeps no allocator count)."""
+
+    stage: int
+    kind: str
+    accumulate: tuple[int, ...] = attrs.field(converter=tuple)
+    seconds: float
+    peak_bytes: int | None
+
+    @property
+    def key(self) -> Key:
+        return self.stage, self.kind, self.accumulate
+
+    def __str__(self) -> str:
+        made = "" if self.peak_bytes is None else f", makes {nbytes(self.peak_bytes)}"
+        acc = f" (+{len(self.accumulate)} grads)" if self.accumulate else ""
+        return f"{KIND[self.kind]}{self.stage}{acc}: {self.seconds * 1e3:.2f} ms{made}"
+
+
+@attrs.frozen
+class Profile:
+    """Every rank's measured programs (a stage's programs are the same on each of its dp replicas)."""
+
+    programs: tuple[ProgramCost, ...] = attrs.field(converter=tuple)
+
+    def of(self, key: Key) -> ProgramCost | None:
+        return next((p for p in self.programs if p.key == key), None)
+
+    def peak(self, key: Key) -> int | None:
+        found = self.of(key)
+        return None if found is None else found.peak_bytes
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [attrs.asdict(p) for p in self.programs]
+
+    @classmethod
+    def from_json(cls, rows: Sequence[dict[str, Any]]) -> Profile:
+        return cls(ProgramCost(**row) for row in rows)
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, sorted(self.programs, key=lambda p: p.key)))
+
+
+Run = Callable[[], Any]
+
+
+def measure(runs: Sequence[tuple[Key, Run]], device: torch.device, *, reps: int = 3) -> tuple[ProgramCost, ...]:
+    """Each program of `runs` (already run once: compiled, kernels loaded) run again under the allocator's
+    peak counter, then `reps` times on the clock; the median of those is its seconds."""
+    out = []
+    for key, run in runs:
+        made = _bytes_made(run, device)
+        out.append(ProgramCost(*key, seconds=_seconds(run, device, reps), peak_bytes=made))
+    return tuple(out)
+
+
+def _bytes_made(run: Run, device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    outs = run()
+    made = torch.cuda.max_memory_allocated(device) - before
+    del outs
+    return int(made)
+
+
+def _seconds(run: Run, device: torch.device, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def gather(mine: Sequence[ProgramCost], all_gather_json: Callable[[Any], list[Any]]) -> Profile:
+    """Every rank's measurements, each program once (a collective: every rank calls it)."""
+    seen: dict[Key, ProgramCost] = {}
+    for part in all_gather_json([attrs.asdict(p) for p in mine]):
+        for row in part:
+            cost = ProgramCost(**row)
+            seen.setdefault(cost.key, cost)
+    return Profile(tuple(seen.values()))
+
+
+# -- the step predicted from the measured programs ------------------------------------------------------
+def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int
+                  ) -> tuple[list[float], list[float], list[float]] | None:
+    """Per stage, the mean measured seconds of its F, B and W (a fused BW counted as B) over the
+    instructions that run them; None if any program that runs was not measured."""
+    sums: dict[tuple[int, str], list[float]] = {}
+    for ins in (i for p in programs for i in p.instrs if i.kind in KIND):
+        found = profile.of((ins.stage, ins.kind, ins.accumulated()))
+        if found is None:
+            return None
+        sums.setdefault((ins.stage, KIND[ins.kind]), []).append(found.seconds)
+    mean = {k: sum(v) / len(v) for k, v in sums.items()}
+    f = [mean.get((s, "F"), 0.0) for s in range(num_stages)]
+    b = [mean.get((s, "B"), 0.0) + mean.get((s, "BW"), 0.0) for s in range(num_stages)]
+    w = [mean.get((s, "W"), 0.0) for s in range(num_stages)]
+    return f, b, w
+
+
+def predicted_step_time(plan: Plan, table: schedules.Table, programs: Sequence[Program],
+                        profile: Profile) -> float | None:
+    """The plan's schedule simulated as the planner does (compute in each rank's order, a transfer on each
+    edge between ranks over the plan's link) with the measured seconds of every stage's programs, plus the
+    plan's data-parallel all-reduce. None for unequal replicas per stage (their routed rows are not
+    rebuilt here) or when a program that runs was not measured."""
+    if any(c != plan.replicas[0] for c in plan.replicas):
+        return None
+    times = stage_seconds(profile, programs, plan.num_stages)
+    if times is None:
+        return None
+    f, b, w = times
+    link = get_link(plan.link or None, get_device(plan.device))
+    costs = schedules.Costs(forward=tuple(f), backward_input=tuple(b), backward_weight=tuple(w),
+                            comm_latency=link.latency, comm_bandwidth=link.bandwidth,
+                            activation_bytes=tuple(float(s.send_bytes) for s in plan.stages))
+    return schedules.simulate(compute_only(table), costs).makespan + plan.allreduce_time
+
+
+def compute_only(table: schedules.Table) -> schedules.Table:
+    """A lowered table without its sends and receives: each rank's compute order, as the planner simulates
+    it (the runtime posts sends without waiting on them, so a send never holds its rank back)."""
+    rows = [[a for a in row if a.is_compute] for row in table.rows]
+    return schedules.Table(table.num_stages, table.num_microbatches, table.stage_to_rank, rows)
+
+
+def first_instructions(program: Program) -> dict[Key, Instr]:
+    """The first instruction of each distinct program this rank runs, in program order."""
+    first: dict[Key, Instr] = {}
+    for ins in program.instrs:
+        if ins.kind in KIND:
+            first.setdefault((ins.stage, ins.kind, ins.accumulated()), ins)
+    return first

@@ -1,0 +1,133 @@
+"""engine.execution.profile: the stage programs measured as they run, and the step predicted from them."""
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+import engine
+from engine.execution.assemble import assemble
+from engine.execution.footprint import footprint
+from engine.execution.inprocess import build_steps, run_each, run_steps
+from engine.execution.profile import KIND, Profile, ProgramCost, compute_only, first_instructions, gather, \
+    predicted_step_time
+from engine.planning.search import search
+from tests.engine.test_footprint import _mlp
+
+LAYOUTS = [("1f1b", {}), ("gpipe", {}), ("zb-h1", {}), ("interleaved-1f1b", {"stages_per_rank": 2}),
+           ("zbv", {}), ("interleaved-zb", {"stages_per_rank": 2}), ("dualpipev", {}), ("looped-bfs", {"stages_per_rank": 2})]
+
+
+def _planned(schedule: str, layout: dict, world: int = 2, dp: int = 1):  # type: ignore[no-untyped-def]
+    fn, params, x, y = _mlp()
+    return search(fn, params, x, y, world_size=world, schedule=schedule, microbatches=4, device="cpu", dp=dp,
+                  **layout)
+
+
+def _plans_own_times(planned) -> Profile:  # type: ignore[no-untyped-def]
+    """A profile that says every program takes what the planner costed it at (BW = B + W)."""
+    st = planned.plan.stages
+    seconds = {"forward": lambda s: st[s].forward_time, "backward_input": lambda s: st[s].backward_input_time,
+               "backward_weight": lambda s: st[s].backward_weight_time,
+               "backward": lambda s: st[s].backward_input_time + st[s].backward_weight_time}
+    keys = {k for r in range(planned.plan.world_size) for k in first_instructions(assemble(planned, r))}
+    return Profile(ProgramCost(s, kind, acc, seconds=seconds[kind](s), peak_bytes=None) for s, kind, acc in keys)
+
+
+@pytest.mark.parametrize("schedule,layout", LAYOUTS)
+def test_the_planners_own_times_predict_the_planners_step(schedule: str, layout: dict) -> None:
+    """Simulated from a profile that holds the planner's F, B, W seconds, the step takes exactly the plan's
+    predicted time: the program-based prediction runs the planner's simulation, only with other numbers."""
+    planned = _planned(schedule, layout)
+    programs = [assemble(planned, r) for r in range(planned.plan.world_size)]
+    got = predicted_step_time(planned.plan, planned.table, programs, _plans_own_times(planned))
+    assert got == pytest.approx(planned.plan.predicted_step_time, rel=1e-12)
+
+
+def test_with_data_parallel_the_all_reduce_is_added() -> None:
+    planned = _planned("1f1b", {}, world=4, dp=2)
+    assert planned.plan.allreduce_time > 0
+    programs = [assemble(planned, r) for r in range(4)]
+    got = predicted_step_time(planned.plan, planned.table, programs, _plans_own_times(planned))
+    assert got == pytest.approx(planned.plan.predicted_step_time, rel=1e-12)
+
+
+def test_a_slower_stage_slows_the_predicted_step_by_its_share() -> None:
+    """Doubling stage 1's measured programs on a 1f1b pipeline of two stages: the step grows by at least
+    stage 1's extra busy time (it is the slower rank then) and is never faster."""
+    planned = _planned("1f1b", {})
+    programs = [assemble(planned, r) for r in range(2)]
+    base = _plans_own_times(planned)
+    slow = Profile(attrs.evolve(p, seconds=2 * p.seconds) if p.stage == 1 else p for p in base.programs)
+    t0 = predicted_step_time(planned.plan, planned.table, programs, base)
+    t1 = predicted_step_time(planned.plan, planned.table, programs, slow)
+    st = planned.plan.stages[1]
+    extra = 4 * (st.forward_time + st.backward_input_time + st.backward_weight_time)  # 4 microbatches
+    assert t1 >= t0 + extra * 0.999
+
+
+def test_a_program_not_measured_gives_no_prediction() -> None:
+    planned = _planned("zb-h1", {})
+    programs = [assemble(planned, r) for r in range(2)]
+    full = _plans_own_times(planned)
+    part = Profile(p for p in full.programs if not (p.stage == 1 and p.kind == "backward_weight"))
+    assert predicted_step_time(planned.plan, planned.table, programs, part) is None
+
+
+def test_compute_only_keeps_each_ranks_compute_order() -> None:
+    planned = _planned("zbv", {})
+    bare = compute_only(planned.table)
+    assert not bare.is_lowered
+    for lowered, row in zip(planned.table.rows, bare.rows):
+        assert list(row) == [a for a in lowered if a.is_compute]
+
+
+def test_measured_bytes_replace_fxs_in_the_replay() -> None:
+    """A compute whose program was measured to make X bytes counts X, not fx's replay; unmeasured ones keep
+    fx's: with every program measured 1 MiB above fx, the peak rises by exactly 1 MiB."""
+    import ir
+
+    planned = _planned("1f1b", {})
+    program, infos, graph = assemble(planned, 0), planned.stages, planned.graph
+    plain = footprint(program, infos, graph, microbatches=4)
+
+    def more(key):  # type: ignore[no-untyped-def]
+        stage, kind, acc = key
+        return ir.run_bytes(getattr(infos[stage].ad, kind).graph, acc).peak + 2**20
+
+    raised = footprint(program, infos, graph, microbatches=4, measured=more)
+    assert raised.peak == plain.peak + 2**20
+    assert footprint(program, infos, graph, microbatches=4, measured=lambda key: None) == plain
+
+
+def test_every_rank_measures_its_programs_and_gets_everyones() -> None:
+    """profile_programs on every rank of an in-process pipeline (the collective `parallelize` runs on CUDA):
+    each distinct program of every rank measured once, with positive seconds (no allocator count on CPU);
+    the prediction from them is a positive time, and the step still computes torch.func.grad's numbers."""
+    fn, params, x, y = _mlp()
+    plan = engine.plan(fn, params, x, y, world_size=2, schedule="zb-h1", microbatches=4)
+    steps = build_steps(fn, params, (x, y), plan)
+    profiles = run_each(steps, lambda step: step.profile_programs(x, y))
+    want = {k for s in steps for k in first_instructions(s.program)}
+    for prof in profiles:
+        assert {p.key for p in prof.programs} == want
+        assert all(p.seconds > 0 and p.peak_bytes is None for p in prof.programs)
+        assert {p.kind for p in prof.programs} == {"forward", "backward_input", "backward_weight"}
+    assert all(0 < s.predicted_step_time < 10 for s in steps)
+    assert all(s.memory() == steps[0].memory() for s in steps)
+    got = run_steps(steps, params, (x, y))
+    ref, ref_loss = torch.func.grad_and_value(fn)(params, x, y)
+    assert float(got.loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    for g, r in zip(torch.utils._pytree.tree_leaves(got.grads), torch.utils._pytree.tree_leaves(ref), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_gather_keeps_one_measurement_per_program() -> None:
+    a = ProgramCost(0, "forward", (), seconds=1.0, peak_bytes=10)
+    b = ProgramCost(0, "forward", (), seconds=2.0, peak_bytes=20)  # the same program on a dp replica
+    c = ProgramCost(1, "backward", (0, 1), seconds=3.0, peak_bytes=30)
+    got = gather([a], lambda mine: [mine, [attrs.asdict(b), attrs.asdict(c)]])
+    assert got.programs == (a, c)
+    assert Profile.from_json(got.to_json()) == got
+    assert str(c) == "BW1 (+2 grads): 3000.00 ms, makes 30 B"
+    assert set(KIND) == {"forward", "backward_input", "backward_weight", "backward"}
