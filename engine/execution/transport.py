@@ -33,9 +33,16 @@ class Transport(Protocol):
     def wait(self, handle: Any, what: str) -> None: ...
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
     def all_gather_json(self, obj: Any) -> list[Any]: ...
+    def gather_after_compile(self, obj: Any) -> list[Any]: ...
     def close(self) -> None: ...
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
+
+# How long a rank waits for the others to finish compiling their stage programs (the first gather after
+# them). Compiles are local and differ by minutes between stages with a cold inductor cache (a wide
+# ResNet's stages: one rank waited past a 60 s step timeout and NCCL's watchdog aborted it), so this wait
+# gets its own bound, on a gloo group of its own, not the step's timeout.
+COMPILE_WAIT = 1800.0
 
 # torch 2.13 renamed them (the old names warn); 2.11 has only the old
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -61,6 +68,9 @@ class DistTransport:
         everyone = tuple(range(self.world_size))
         # The whole world gets a group of its own too: the default group may carry someone else's timeout.
         self.groups: dict[tuple[int, ...], Any] = {everyone: dist.new_group(list(everyone), timeout=td)}
+        self.patience = max(timeout, COMPILE_WAIT)
+        self.patient = dist.new_group(list(everyone), timeout=datetime.timedelta(seconds=self.patience),
+                                      backend="gloo")  # gather_after_compile's
         for g in sorted(set(groups)):  # new_group is collective: every rank creates every group, in order
             if g not in self.groups:
                 self.groups[g] = dist.new_group(list(g), timeout=td)
@@ -156,12 +166,26 @@ class DistTransport:
     def close(self) -> None:
         """Destroy the groups this transport made (its channels' and sums'); the world's stays. Dropping
         them joins their gloo worker threads (destroy_process_group alone leaves them running)."""
-        for group in [*self.channels.values(), *self.groups.values()]:
+        for group in [*self.channels.values(), *self.groups.values(), *([self.patient] if self.patient else [])]:
             try:
                 dist.destroy_process_group(group)
             except (RuntimeError, ValueError) as exc:  # a peer may be gone; the group dies with the process then
                 log.debug("destroying a group: %s", exc)
-        self.channels, self.groups = {}, {}
+        self.channels, self.groups, self.patient = {}, {}, None
+
+    def gather_after_compile(self, obj: Any) -> list[Any]:
+        """`all_gather_json` for the first gather after every rank compiled its stage programs: it waits up to
+        COMPILE_WAIT seconds (or the step timeout, if longer) for the slowest rank's compile, over a gloo group
+        of its own, so no NCCL collective is in flight while a rank still compiles."""
+        start = time.monotonic()
+        try:
+            return gather_json(obj, group=self.patient, device=torch.device("cpu"))
+        except RuntimeError as exc:
+            peers = tuple(r for r in range(self.world_size) if r != self.rank)
+            raise CommTimeoutError(failure_message(
+                self.rank, "waiting for every rank to compile its stage programs", peers,
+                waited=time.monotonic() - start, timeout=self.patience,
+                timed_out="timed out" in str(exc).lower())) from exc
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (JSON values only: what comes from a peer is parsed, never unpickled)."""
@@ -365,6 +389,8 @@ class LocalTransport:
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         return self._exchange(json.loads(json.dumps(obj)))  # what a real job's peers would see
+
+    gather_after_compile = all_gather_json  # threads of one process compile side by side: no skew to wait out
 
     def _exchange(self, obj: Any) -> list[Any]:
         box = [None] * self.world_size
