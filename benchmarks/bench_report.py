@@ -67,7 +67,8 @@ def _ratios(num: Sequence[float] | None, den: Sequence[float] | None) -> str:
 
 
 COLUMNS = (("framework", 7), ("variant", 17), ("schedule", 16), ("s/step", 7), ("x eager", 7), ("x comp", 7),
-           ("peak GiB/rank", 13), ("pred s", 7), ("meas/pred", 9), ("pred GiB/rank", 13), ("peak m/p", 9),
+           ("peak GiB/rank", 13), ("pred s", 7), ("meas/pred", 9), ("prog s", 7), ("m/prog", 6),
+           ("pred GiB/rank", 13), ("peak m/p", 9),
            ("1st step s", 10), ("loss0", 8))
 
 
@@ -90,11 +91,12 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     def cells(r: dict[str, Any]) -> list[str]:
         eager, comp = baselines(rows, r)
         speed = [f"{ref['median_s'] / r['median_s']:.3f}" if ref else "-" for ref in (eager, comp)]
-        pred_s = r.get("predicted_s")
+        pred_s, prog_s = r.get("predicted_s"), r.get("program_predicted_s")
         first = r.get("to_first_step_s", r.get("build_s"))
         return [r["framework"], r.get("variant", "-"), r["schedule"], f"{r['median_s']:.3f}", *speed,
                 _pair(r.get("peak_bytes")), f"{pred_s:.3f}" if pred_s else "-",
-                f"{r['median_s'] / pred_s:.3f}" if pred_s else "-", _pair(r.get("predicted_peak_bytes")),
+                f"{r['median_s'] / pred_s:.3f}" if pred_s else "-", f"{prog_s:.3f}" if prog_s else "-",
+                f"{r['median_s'] / prog_s:.3f}" if prog_s else "-", _pair(r.get("predicted_peak_bytes")),
                 _ratios(r.get("peak_bytes"), r.get("predicted_peak_bytes")), f"{first:.1f}" if first else "-",
                 f"{r['loss0']:.4f}"]
 
@@ -108,10 +110,14 @@ LEGEND = """\
 s/step: median over the measured steps of the slowest rank's step time. x eager / x comp: PyTorch 1F1B's
 s/step (eager blocks / each block torch.compile'd) over this row's: throughput relative to it; one-device
 rows against eager autograd on one device. peak: torch.cuda.max_memory_allocated per rank. variant: PyTorch
-eager or compiled blocks; fnpipe's compiler as asked:as run ("auto:inductor"). pred: fnpipe's plan
-(predicted_step_time) and each rank's peak replayed from its program (step.memory(); no optimizer is
-held here); m/p = measured / predicted. 1st step s: parallelize (trace, plan, compile) plus the first
-step (PyTorch: building the stages). loss0: first step's loss (same weights and batch)."""
+eager or compiled blocks; fnpipe's compiler as asked:as run ("auto:inductor"). pred s: the planner's
+step time (plan.predicted_step_time, from op costs); prog s: the step predicted from its stage programs
+measured on the device before the first step (step.predicted_step_time: the plan's schedule simulated
+with their F/B/W seconds). pred GiB: each rank's peak replayed from its program, each compute counting
+the bytes its program was measured to make (step.memory(); no optimizer is held here); m/p = measured /
+predicted. Peaks are this row's: what earlier rows left allocated is taken off. 1st step s: parallelize
+(trace, plan, compile, measure the programs) plus the first step (PyTorch: building the stages). loss0:
+first step's loss (same weights and batch)."""
 
 
 def default_out() -> Path:
@@ -159,11 +165,13 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
                        f"{_pair(theirs['peak_bytes'])} (goal: every rank <=): {_verdict(ok)}")
     for r in (r for r in rows if r.get("predicted_s") and "median_s" in r):
         x = r["median_s"] / r["predicted_s"]
+        prog = r["median_s"] / r["program_predicted_s"] if r.get("program_predicted_s") else None
         pred, meas = r.get("predicted_peak_bytes"), r.get("peak_bytes")
         ratios = [m / p for m, p in zip(meas, pred)] if pred and meas else []
         ok = 0.9 <= x <= 1.1 and all(0.9 <= y <= 1.1 for y in ratios)
-        out.append(f"fnpipe {r['schedule']} {r['variant']}: measured / predicted s/step {x:.3f}, peak per rank "
-                   f"{' / '.join(f'{y:.3f}' for y in ratios) or '-'} (goal 0.90-1.10): {_verdict(ok)}")
+        from_programs = "" if prog is None else f" (from the measured programs {prog:.3f}: {_verdict(0.9 <= prog <= 1.1)})"
+        out.append(f"fnpipe {r['schedule']} {r['variant']}: measured / predicted s/step {x:.3f}{from_programs}, peak "
+                   f"per rank {' / '.join(f'{y:.3f}' for y in ratios) or '-'} (goal 0.90-1.10): {_verdict(ok)}")
     for r in (r for r in rows if r["framework"] == "fnpipe" and r.get("variant", "").endswith(":inductor")):
         if r.get("to_first_step_s") is not None:
             out.append(f"fnpipe {r['schedule']} {r['variant']}: parallelize to first step {r['to_first_step_s']:.1f} s "

@@ -100,9 +100,15 @@ class Bench:
             dist.barrier()
 
     def measure(self, step_fn: Callable[[], Any], *, loss_of: Callable[[Any], float], label: str,
-                across_ranks: bool = True) -> Measurement:
+                across_ranks: bool = True, residue: int = 0) -> Measurement:
         return measure(step_fn, loss_of=loss_of, warmup=self.args.warmup, steps=self.args.steps,
-                       device=self.world.device, across_ranks=across_ranks, label=label if self.rank0 else "")
+                       device=self.world.device, across_ranks=across_ranks, label=label if self.rank0 else "",
+                       residue=residue)
+
+    def residue(self) -> int:
+        """Bytes this rank holds before a row is built: what earlier rows left (a compiled module's weights
+        kept by a cache, say), taken off the row's peak so each row counts only its own."""
+        return torch.cuda.memory_allocated(self.world.device) if self.world.device.type == "cuda" else 0
 
     def add(self, framework: str, variant: str, schedule: str, result: Measurement, p: int, **extra: Any) -> None:
         dp = extra.get("dp", self.args.dp if framework == "fnpipe" else 1)
@@ -138,20 +144,26 @@ class Bench:
 # -- the runs ------------------------------------------------------------------------------------------------
 def run_torch(b: Bench, schedule: str, *, compiled: bool) -> None:
     b.log(f"torch.distributed.pipelining {schedule}{' compiled blocks' if compiled else ''}: building")
+    residue = b.residue()
     res, info = torch_pp_baseline.run(b.config, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
                                       device=b.world.device, dtype=b.dtype, dp=b.args.dp, v=b.args.stages_per_rank,
                                       family=b.fam, compile_blocks=compiled,
                                       measure=lambda fn, loss_of: b.measure(fn, loss_of=loss_of,
-                                                                            label=f"torch {schedule}"))
+                                                                            label=f"torch {schedule}", residue=residue))
+    if compiled:
+        torch._dynamo.reset()  # its caches hold the compiled blocks (and their weights) past the row
     b.add("torch", "compiled" if compiled else "eager", schedule, res, b.world.size,
           to_first_step_s=info["build_s"] + (res.first_s or 0.0), **info)
 
 
 def predicted(step: engine.Step) -> dict[str, Any]:
-    """fnpipe's predictions: the plan's step time, each rank's peak replayed from its program (no optimizer
-    held here), the planner's memory model beside it (Adam state and margin included), and the stages."""
+    """fnpipe's predictions: the plan's step time, the step's from its measured programs, each rank's peak
+    replayed from its program (with the measured programs' own bytes; no optimizer held here), the planner's
+    memory model beside it (Adam state and margin included), and the stages."""
     plan = step.plan
-    return {"predicted_s": plan.predicted_step_time, "predicted_bubble": plan.bubble_fraction,
+    return {"predicted_s": plan.predicted_step_time, "program_predicted_s": step.predicted_step_time,
+            "profile": [str(p) for p in step.profile.programs] if step.profile is not None else None,
+            "predicted_bubble": plan.bubble_fraction,
             "predicted_peak_bytes": [f.peak for f in step.memory()],
             "planner_peak_bytes_with_adam_and_margin": list(plan.rank_memory),
             "recompute": [("full" if r else "cheap" if c else "no") for r, c in zip(plan.recompute, plan.remat)],
@@ -193,13 +205,16 @@ def alone_step(b: Bench, schedule: str, *, compiler: str = "fx", fused_recompute
     step = Step(planned, engine.World(0, 1, 0, dev, False), LocalTransport(Hub(1, b.args.timeout), 0),
                 compiler=compiler, program=assemble(planned, 0))
     step.verify()
-    if dev.type == "cuda" or step.executor.compiler != "fx":
+    if dev.type == "cuda":
+        step.profile_programs(b.tokens, b.targets)
+    elif step.executor.compiler != "fx":
         step.executor.warmup(step.local_stages)
     return step
 
 
 def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -> None:
     b.log(f"fnpipe {schedule} compiler={compiler}{' (one stage)' if alone else ''}: planning")
+    residue = b.residue()
     t = time.perf_counter()
     if alone:
         step = alone_step(b, schedule, compiler=compiler)
@@ -209,9 +224,13 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
             layout["stages_per_rank"] = b.args.stages_per_rank
         step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
                                   timeout=b.args.timeout, calibrate=calibration_path(b), compiler=compiler, **layout)
+    if step.profile is None:  # parallelize measures the programs on CUDA; the CPU smoke test does it here
+        step.profile_programs(b.tokens, b.targets)
     build_s = time.perf_counter() - t
     if b.rank0:
         print(step.plan, flush=True)
+        print(f"stage programs measured before the first step (predicted step {step.predicted_step_time * 1e3:.2f} ms "
+              f"from them):\n{step.profile}", flush=True)
     local = step.shard(b.params)
     x, y = b.tokens.to(b.world.device), b.targets.to(b.world.device)
     t = time.perf_counter()
@@ -220,7 +239,7 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
         torch.cuda.synchronize(b.world.device)
     first_s = time.perf_counter() - t
     res = b.measure(lambda: step(local, x, y)[0], loss_of=float, label=f"fnpipe {schedule}/{compiler}",
-                    across_ranks=not alone)
+                    across_ranks=not alone, residue=residue)
     b.add("fnpipe", f"{compiler}:{step.executor.compiler}", "1-stage" if alone else schedule, res,
           1 if alone else b.world.size, build_s=build_s, first_step_s=first_s, to_first_step_s=build_s + first_s,
           compile_s={str(k): v for k, v in step.compile_seconds.items()}, **predicted(step))

@@ -10,13 +10,15 @@
 #   bash benchmarks/h200_session.sh one       # 1 GPU: eager autograd, torch.func.grad, fnpipe one stage fx / auto
 #   bash benchmarks/h200_session.sh profile   # 1 GPU: one stage kernel by kernel against torch.func.grad
 #   bash benchmarks/h200_session.sh examples  # 2 GPUs: examples/train_gpt.py under torchrun and mpirun
-#   bash benchmarks/h200_session.sh four      # 4 GPUs: NCCL equivalence, depth 4, then DP2 x PP2
+#   bash benchmarks/h200_session.sh four      # 4 GPUs: depth 4, both families, every schedule; the model on one GPU
+#   bash benchmarks/h200_session.sh fourdp    # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2
+#   bash benchmarks/h200_session.sh fourall   # 4 GPUs: depth 4 and DP2 x PP2, fnpipe's default only, in one command
 #   bash benchmarks/h200_session.sh schedlib  # 2 GPUs: the schedule library beside PyTorch's same-named schedules,
 #                                             # schedule="auto", and the dualpipev overlap trace (4 GPUs: P=4 too)
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourdp|fourall|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -54,14 +56,27 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       timeout 200 mpirun --allow-run-as-root -n 2 python3 examples/train_gpt.py --steps 100 --schedule zb-h1 \
         --log-every 20
       ;;
-    four)
+    four)  # 4 GPUs, depth 4, both families: the baselines, fnpipe's default on every schedule, then the whole
+           # model on one GPU (eager autograd, torch.func.grad, fnpipe one stage) for the share of ideal speed-up
+      bench 570 4 29516 --budget 540 --families "$families" --calibrate "$cal" --one-gpu-layers 16 --compilers auto \
+        --schedules zbv,1f1b,interleaved-1f1b,zb-h1 --torch-eager 1f1b --torch-compiled 1f1b,interleaved-1f1b \
+        --torch-risky "" --timeout 240 --out-dir "$out"
+      ;;
+    fourall)  # 4 GPUs, one command: depth 4 (zbv, 1f1b, interleaved-1f1b), then DP2 x PP2 (1f1b), each row's
+              # predictions beside it: the planner's and the one from the stage programs measured on the device
+      mkdir -p "$out/p4" "$out/dp2"
+      bench 320 4 29516 --budget 300 --families "$families" --calibrate "$cal" --one-gpu-layers 0 --compilers auto \
+        --schedules zbv,1f1b,interleaved-1f1b --torch-eager 1f1b --torch-compiled 1f1b --torch-risky "" \
+        --timeout 240 --out-dir "$out/p4"
+      bench 230 4 29517 --budget 210 --families "$families" --dp 2 --calibrate "$cal" --schedules 1f1b --compilers auto \
+        --torch-eager "" --torch-compiled 1f1b --torch-risky "" --one-gpu-layers 0 --out-dir "$out/dp2"
+      ;;
+    fourdp)  # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2 (the DP all-reduce buffers in the memory model)
       timeout 100 mpirun --allow-run-as-root -n 4 python3 tests/mpi/equivalence.py > "$out/equivalence.txt" 2>&1
       echo "equivalence over NCCL, 4 ranks: exit $?, $(grep -c '^OK' "$out/equivalence.txt") OK lines"; tail -n 2 "$out/equivalence.txt"
-      mkdir -p "$out/p4" "$out/dp2"
-      bench 300 4 29516 --budget 280 --families gpt,llama --calibrate "$cal" --one-gpu-layers 0 --compilers auto \
-        --torch-compiled 1f1b,interleaved-1f1b --torch-risky zbv --risky-timeout 60 --out-dir "$out/p4"
-      bench 180 4 29517 --budget 165 --families gpt --dp 2 --calibrate "$cal" --schedules 1f1b,zb-h1 --compilers fx,auto \
-        --torch-compiled 1f1b --torch-risky "" --one-gpu-layers 0 --out-dir "$out/dp2"
+      mkdir -p "$out/dp2"
+      bench 420 4 29517 --budget 400 --families "$families" --dp 2 --calibrate "$cal" --schedules 1f1b,zb-h1 \
+        --compilers auto,fx --torch-eager "" --torch-compiled 1f1b --torch-risky "" --one-gpu-layers 0 --out-dir "$out/dp2"
       ;;
     schedlib)  # 2 GPUs (4 when present): the schedule library beside PyTorch's same-named schedules, then the dualpipev trace
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
@@ -72,7 +87,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
         --risky-timeout 60 --out-dir "$out/schedlib"
       OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
       ;;
-    *) echo "unknown part $part (two, one, profile, examples, four or schedlib)"; exit 2 ;;
+    *) echo "unknown part $part (two, one, profile, examples, four, fourdp, fourall or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"

@@ -101,9 +101,11 @@ def fnpipe_row(args: argparse.Namespace, world: engine.World) -> dict[str, Any]:
                               has_aux=train, calibrate=args.calibrate, compiler=args.compiler, min_microbatch_size=1)
     local = step.shard(variables)
     seconds, peak = timed(lambda: step(local, x, y), args, world.device)
-    plan = step.plan
+    plan, from_programs = step.plan, step.predicted_step_time
+    replayed = [round(f.peak / 2**30, 2) for f in step.memory()]
     step.close()
     return {"row": "fnpipe", "seconds": seconds, "peak_gib": peak, "predicted": plan.predicted_step_time,
+            "program_predicted": from_programs, "predicted_peak_gib_per_rank": replayed,
             "layout": f"{plan.schedule} {plan.num_stages} stages x dp {plan.dp}, {plan.microbatches} x "
                       f"{plan.microbatch_size}", "cuts": list(plan.cuts)}
 
@@ -174,6 +176,8 @@ def main() -> None:
         torch.cuda.set_device(world.device)
     results = []
     for name in args.rows.split(","):
+        if world.rank == 0:
+            print(f"{name}: running", flush=True)
         row = ROWS[name](args, world)
         peaks = [torch.tensor([-1.0 if row["peak_gib"] is None else row["peak_gib"]])]
         gathered = [torch.zeros(1, device=world.device) for _ in range(world.size)]
@@ -190,8 +194,11 @@ def main() -> None:
         print(f"{args.model} batch {args.batch} at {args.image}x{args.image}, {args.dtype}, BN in {args.bn} mode, "
               f"{world.size} ranks ({world.device.type})")
         for r in results:
-            pred = f", predicted {r['predicted']:.4f} s ({r['predicted'] / r['seconds']:.2f} x measured)" \
+            pred = f", predicted {r['predicted']:.4f} s (measured {r['seconds'] / r['predicted']:.2f} x that)" \
                 if "predicted" in r else ""
+            if r.get("program_predicted"):
+                pred += (f", from the measured programs {r['program_predicted']:.4f} s (measured "
+                         f"{r['seconds'] / r['program_predicted']:.2f} x), replayed peak GiB {r['predicted_peak_gib_per_rank']}")
             print(f"  {r['row']:7s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
                   f"{r['peak_gib_per_rank']}{pred}  [{r['layout']}]")
         if args.json:

@@ -13,13 +13,15 @@ import torch.distributed as dist
 @attrs.frozen
 class Measurement:
     """Seconds of each measured step (the slowest rank's), every step's loss, peak bytes per rank and bytes
-    allocated before the first step (weights and whatever else was live; None on CPU)."""
+    allocated before the first step (weights and whatever else was live; None on CPU), both less the bytes
+    earlier rows of the launch left allocated (`residue_bytes`: not this row's)."""
 
     times: tuple[float, ...]
     losses: tuple[float, ...]
     peak_bytes: tuple[int, ...] | None
     start_bytes: tuple[int, ...] | None = None
     first_s: float | None = None  # the first (warm-up) step: compiles, allocator growth
+    residue_bytes: tuple[int, ...] | None = None
 
 
     @property
@@ -30,7 +32,8 @@ class Measurement:
         return {"median_s": self.median, "times_s": list(self.times), "losses": list(self.losses),
                 "peak_bytes": list(self.peak_bytes) if self.peak_bytes is not None else None,
                 "start_bytes": list(self.start_bytes) if self.start_bytes is not None else None,
-                "first_step_s": self.first_s}
+                "first_step_s": self.first_s,
+                "residue_bytes": list(self.residue_bytes) if self.residue_bytes is not None else None}
 
 
 def _sync(device: torch.device) -> None:
@@ -50,9 +53,10 @@ def _spread(value: torch.Tensor, device: torch.device, op: str) -> torch.Tensor:
 
 
 def measure(step_fn: Callable[[], Any], *, loss_of: Callable[[Any], float], warmup: int, steps: int,
-            device: torch.device, across_ranks: bool = True, label: str = "") -> Measurement:
+            device: torch.device, across_ranks: bool = True, label: str = "", residue: int = 0) -> Measurement:
     """Run `step_fn` warmup + steps times; each step is timed from a common start (barrier) to this rank's
-    device being idle. `loss_of(output)` runs outside the timed region (it may be a collective)."""
+    device being idle. `loss_of(output)` runs outside the timed region (it may be a collective). `residue`:
+    bytes this rank held before the row was built (what earlier rows left), taken off its peak."""
     distributed = across_ranks and dist.is_initialized() and dist.get_world_size() > 1
     start = None
     if device.type == "cuda":
@@ -80,7 +84,7 @@ def measure(step_fn: Callable[[], Any], *, loss_of: Callable[[Any], float], warm
         times = _spread(torch.tensor(times, dtype=torch.float64), device, "max").tolist()
     if peak is None:
         return Measurement(tuple(times), tuple(losses), None, first_s=first)
-    mem = torch.tensor([float(peak), float(start)], dtype=torch.float64)
+    mem = torch.tensor([float(peak - residue), float(start - residue), float(residue)], dtype=torch.float64)
     rows = _spread(mem, device, "gather") if distributed else mem[None]
     return Measurement(tuple(times), tuple(losses), tuple(int(x) for x in rows[:, 0]), tuple(int(x) for x in rows[:, 1]),
-                       first_s=first)
+                       first_s=first, residue_bytes=tuple(int(x) for x in rows[:, 2]))
