@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -13,7 +13,7 @@ from .calls import Call, Groups, prepare
 from .compilers import COMPILERS, CompileLog, check_compiler, resolve  # noqa: F401 -- check_compiler re-exported
 from .emit import StageInfo
 from .packing import Layouts
-from .profile import ProgramCost, first_instructions, measure
+from .profile import Key, ProgramCost, first_instructions, measure
 from .program import COMPUTE, Instr, Program
 from .spans import Tracer
 from .transport import Transport
@@ -73,16 +73,28 @@ class Executor:
             tracer.end_step()
         return self.loss, self.grads
 
-    def warmup(self, stages: Sequence[int], *, batch: dict[int, torch.Tensor] | None = None,
-               profile: bool = False) -> tuple[ProgramCost, ...]:
+    def warmup(self, stages: Sequence[int], *, batch: dict[int, torch.Tensor] | None = None) -> None:
         """Run each local stage's programs (F, then B and W or BW as this rank's program does) once on
         stand-in data, with no communication, so that every kernel is loaded and every library handle made
         before a step (on GPU a kernel loaded lazily while an NCCL kernel spins can deadlock; `parallelize`
         calls it there, not on CPU). `batch`: one microbatch's leaves for the batch operands (real token ids
-        rather than zeros). With `profile`, each program is then measured (`engine.execution.profile`), a
-        stage at a time, so only one stage's stand-ins are held at once."""
+        rather than zeros)."""
+        for _ in self._stand_in_runs(stages, batch):
+            pass
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def measure(self, stages: Sequence[int], *, batch: dict[int, torch.Tensor] | None = None
+                ) -> tuple[ProgramCost, ...]:
+        """Each local stage program (loaded by `warmup`) timed and its bytes counted on the device
+        (`engine.execution.profile.measure`), a stage at a time: one stage's stand-ins are held at once."""
+        return tuple(cost for runs in self._stand_in_runs(stages, batch) for cost in measure(runs, self.device))
+
+    def _stand_in_runs(self, stages: Sequence[int], batch: dict[int, torch.Tensor] | None
+                       ) -> Iterator[list[tuple[Key, Callable[[], Any]]]]:
+        """Per stage, every distinct program it runs here, run once in order (each one's outputs feed the
+        next), then yielded with its operands bound; the stand-ins die with the stage."""
         first = first_instructions(self.program)
-        measured: list[ProgramCost] = []
         for s in stages:
             ad = self.infos[s].ad
             slots = {i: stand_in(a, self.device) for i, a in enumerate(ad.slot_avals) if a is not None}
@@ -98,11 +110,7 @@ class Executor:
                     outs = fn(*args)
                     slots.update((slot, out) for slot, out in zip(part.out_slots, outs) if out is not None)
                     runs.append((key, functools.partial(fn, *args)))
-            if profile:
-                measured += measure(runs, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return tuple(measured)
+            yield runs
 
     def _part(self, stage: int, kind: str, accumulate: tuple[int, ...] = ()) -> Callable[..., Any]:
         key = (stage, kind, accumulate)

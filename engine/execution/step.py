@@ -156,16 +156,19 @@ class Step:
     def profile_programs(self, *example_batch: Any) -> Profile:
         """Load and measure every stage program of every rank on its device (a collective: every rank calls
         it; `parallelize` does on CUDA): each program's seconds and the bytes it makes, with the example
-        batch's first microbatch for the batch operands. Afterwards `memory()` and `predicted_step_time`
-        come from the programs that run (`engine.execution.profile`). It resets the device's peak-memory
-        counter (torch.cuda.reset_peak_memory_stats)."""
+        batch's first microbatch for the batch operands. The programs are loaded (compiled) first; the
+        ranks wait out each other's compiles (`gather_after_compile`), then time theirs, so no rank times
+        its programs beside another's compile. Afterwards `memory()` and `predicted_step_time` come from
+        the programs that run (`engine.execution.profile`). It resets the device's peak-memory counter
+        (torch.cuda.reset_peak_memory_stats)."""
         mb = None
         first = split_batch(example_batch, self.plan.microbatches * self.plan.dp)[0] if example_batch else []
         if first and all(x.device.type != "meta" and not is_fake(x) for x in first):  # else stand-ins throughout
             offset = self.graph.num_params
             mb = {offset + j: x.to(self.world.device) for j, x in enumerate(first)}
-        mine = self.executor.warmup(self.local_stages, batch=mb, profile=True)
-        self.profile = gather(mine, self.transport.gather_after_compile)
+        self.executor.warmup(self.local_stages, batch=mb)  # compiles: ranks take their own time
+        self.transport.gather_after_compile(None)  # every rank done compiling: none times beside a compile
+        self.profile = gather(self.executor.measure(self.local_stages, batch=mb), self.transport.all_gather_json)
         return self.profile
 
     @property
