@@ -229,8 +229,9 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
     build_s = time.perf_counter() - t
     if b.rank0:
         print(step.plan, flush=True)
-        print(f"stage programs measured before the first step (predicted step {step.predicted_step_time * 1e3:.2f} ms "
-              f"from them):\n{step.profile}", flush=True)
+        predicted_ms = "n/a" if step.predicted_step_time is None else f"{step.predicted_step_time * 1e3:.2f} ms"
+        print(f"stage programs measured before the first step (predicted step {predicted_ms} from them):\n"
+              f"{step.profile}", flush=True)
     local = step.shard(b.params)
     x, y = b.tokens.to(b.world.device), b.targets.to(b.world.device)
     t = time.perf_counter()

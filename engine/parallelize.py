@@ -179,11 +179,11 @@ def _checked(step: Step, entry: plancache.CachedPlan | None, example_batch: Sequ
         plancache.record_programs(entry, programs, write=step.world.rank == 0)
     if step.world.device.type == "cuda":  # kernels loaded, programs compiled and measured
         step.profile_programs(*example_batch)
-        log.info("rank %d: predicted step %.2f ms from the measured programs (planner: %.2f ms)", step.world.rank,
-                 (step.predicted_step_time or 0.0) * 1e3, step.plan.predicted_step_time * 1e3)
+        predicted = step.predicted_step_time
+        log.info("rank %d: predicted step %s from the measured programs (planner: %.2f ms)", step.world.rank,
+                 "n/a" if predicted is None else f"{predicted * 1e3:.2f} ms", step.plan.predicted_step_time * 1e3)
     elif step.executor.compiler != "fx":
-        step.executor.warmup(step.local_stages)
-        step.transport.gather_after_compile(None)  # the ranks wait out each other's compiles here, not in a step
+        step.load_programs()  # the ranks wait out each other's compiles here, not in a step
     log.info("rank %d: %s", step.world.rank, step.program)
     for stage, seconds in sorted(step.compile_seconds.items()):
         log.info("rank %d: stage %d compiled in %.1f s (%s)", step.world.rank, stage, seconds, step.executor.compiler)

@@ -111,6 +111,7 @@ class Executor:
                     slots.update((slot, out) for slot, out in zip(part.out_slots, outs) if out is not None)
                     runs.append((key, functools.partial(fn, *args)))
             yield runs
+            del slots, runs  # before the next stage's stand-ins are made
 
     def _part(self, stage: int, kind: str, accumulate: tuple[int, ...] = ()) -> Callable[..., Any]:
         key = (stage, kind, accumulate)

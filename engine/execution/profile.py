@@ -100,6 +100,10 @@ def _bytes_made(run: Run, device: torch.device) -> int | None:
 
 
 def _seconds(run: Run, device: torch.device, reps: int) -> float:
+    """The median over `reps` runs, each started on an idle device (so a launch-bound program's host time
+    counts, as it does in a step)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -129,8 +133,11 @@ def gather(mine: Sequence[ProgramCost], all_gather_json: Callable[[Any], list[An
 # -- the step predicted from the measured programs ------------------------------------------------------
 def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int
                   ) -> tuple[list[float], list[float], list[float]] | None:
-    """Per stage, the mean measured seconds of its F, B and W (a fused BW counted as B) over the
-    instructions that run them; None if any program that runs was not measured."""
+    """Per stage, the mean measured seconds of its F, B and W over the instructions that run them; None if
+    any program that runs was not measured. The simulator costs a BW action as B + W: a stage that runs
+    B and W apart gives those (its fused BW actions, if the order also has some, cost their sum; a first
+    stage may run W alone, with no input grad to make); a stage that only runs fused BW gives it as B,
+    with W 0."""
     sums: dict[tuple[int, str], list[float]] = {}
     for ins in (i for p in programs for i in p.instrs if i.kind in KIND):
         found = profile.of((ins.stage, ins.kind, ins.accumulated()))
@@ -139,8 +146,9 @@ def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int
         sums.setdefault((ins.stage, KIND[ins.kind]), []).append(found.seconds)
     mean = {k: sum(v) / len(v) for k, v in sums.items()}
     f = [mean.get((s, "F"), 0.0) for s in range(num_stages)]
-    b = [mean.get((s, "B"), 0.0) + mean.get((s, "BW"), 0.0) for s in range(num_stages)]
-    w = [mean.get((s, "W"), 0.0) for s in range(num_stages)]
+    split = [(s, "B") in mean or (s, "W") in mean for s in range(num_stages)]  # stage 0 may need no B at all
+    b = [mean.get((s, "B"), 0.0) if split[s] else mean.get((s, "BW"), 0.0) for s in range(num_stages)]
+    w = [mean.get((s, "W"), 0.0) if split[s] else 0.0 for s in range(num_stages)]
     return f, b, w
 
 

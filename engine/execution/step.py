@@ -153,21 +153,38 @@ class Step:
                                measured=measured)
                      for p in self.programs.all())  # a rank holds the batch of the microbatches it runs
 
+    def load_programs(self, batch: dict[int, torch.Tensor] | None = None) -> None:
+        """Load (compile) every local stage program, running it once on stand-in data (`Executor.warmup`),
+        then wait for every rank to be done (`gather_after_compile`: ranks compile for different times); a
+        rank that failed raises its own error and every other rank raises RuntimeMismatchError naming it,
+        at once rather than after the wait's bound. A collective: every rank calls it."""
+        failed = None
+        try:
+            self.executor.warmup(self.local_stages, batch=batch)
+        except Exception as exc:  # noqa: BLE001 -- told to every rank at the gather below, then raised
+            failed = exc
+        told = self.transport.gather_after_compile(None if failed is None else f"{type(failed).__name__}: {failed}"[:2000])
+        if failed is not None:
+            raise failed
+        others = [(r, why) for r, why in enumerate(told) if why]
+        if others:
+            raise RuntimeMismatchError(f"rank {others[0][0]} failed to load (compile) its stage programs: "
+                                       f"{others[0][1]}; its log has the whole error")
+
     def profile_programs(self, *example_batch: Any) -> Profile:
         """Load and measure every stage program of every rank on its device (a collective: every rank calls
         it; `parallelize` does on CUDA): each program's seconds and the bytes it makes, with the example
-        batch's first microbatch for the batch operands. The programs are loaded (compiled) first; the
-        ranks wait out each other's compiles (`gather_after_compile`), then time theirs, so no rank times
-        its programs beside another's compile. Afterwards `memory()` and `predicted_step_time` come from
-        the programs that run (`engine.execution.profile`). It resets the device's peak-memory counter
+        batch's first microbatch for the batch operands. The programs are loaded (compiled) first and the
+        ranks wait out each other's compiles (`load_programs`), then time theirs, so no rank times its
+        programs beside another's compile. Afterwards `memory()` and `predicted_step_time` come from the
+        programs that run (`engine.execution.profile`). It resets the device's peak-memory counter
         (torch.cuda.reset_peak_memory_stats)."""
         mb = None
         first = split_batch(example_batch, self.plan.microbatches * self.plan.dp)[0] if example_batch else []
         if first and all(x.device.type != "meta" and not is_fake(x) for x in first):  # else stand-ins throughout
             offset = self.graph.num_params
-            mb = {offset + j: x.to(self.world.device) for j, x in enumerate(first)}
-        self.executor.warmup(self.local_stages, batch=mb)  # compiles: ranks take their own time
-        self.transport.gather_after_compile(None)  # every rank done compiling: none times beside a compile
+            mb = {offset + j: x.to(self.world.device).contiguous() for j, x in enumerate(first)}
+        self.load_programs(mb)
         self.profile = gather(self.executor.measure(self.local_stages, batch=mb), self.transport.all_gather_json)
         return self.profile
 

@@ -12,6 +12,7 @@ import logging
 import json
 import sys
 import threading
+import os
 import time
 import weakref
 from typing import Any, Protocol, Sequence
@@ -19,7 +20,7 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError
+from ..errors import CommTimeoutError, PlanError
 
 log = logging.getLogger("engine.launch")
 _OPEN: "weakref.WeakSet[DistTransport]" = weakref.WeakSet()  # what close_all closes at exit
@@ -39,10 +40,23 @@ class Transport(Protocol):
 
 
 # How long a rank waits for the others to finish compiling their stage programs (the first gather after
-# them). Compiles are local and differ by minutes between stages with a cold inductor cache (a wide
-# ResNet's stages: one rank waited past a 60 s step timeout and NCCL's watchdog aborted it), so this wait
-# gets its own bound, on a gloo group of its own, not the step's timeout.
+# them; the environment variable FNPIPE_COMPILE_WAIT, in seconds, overrides it). Compiles are local and may
+# differ by minutes between stages with a cold inductor cache, so this wait gets its own bound, on a gloo
+# group of its own (an NCCL job needs gloo to connect between its hosts too), not the step's timeout.
 COMPILE_WAIT = 1800.0
+
+
+def compile_wait(timeout: float) -> float:
+    """The bound of the wait after compiling: FNPIPE_COMPILE_WAIT or COMPILE_WAIT, at least `timeout`."""
+    text = os.environ.get("FNPIPE_COMPILE_WAIT")
+    try:
+        wait = COMPILE_WAIT if text is None else float(text)
+    except ValueError:
+        wait = -1.0
+    if not wait > 0:
+        raise PlanError(f"FNPIPE_COMPILE_WAIT={text!r}: give the seconds a rank may wait for the others to "
+                        "compile their stage programs, a positive number (e.g. FNPIPE_COMPILE_WAIT=3600)")
+    return max(timeout, wait)
 
 # torch 2.13 renamed them (the old names warn); 2.11 has only the old
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -68,7 +82,7 @@ class DistTransport:
         everyone = tuple(range(self.world_size))
         # The whole world gets a group of its own too: the default group may carry someone else's timeout.
         self.groups: dict[tuple[int, ...], Any] = {everyone: dist.new_group(list(everyone), timeout=td)}
-        self.patience = max(timeout, COMPILE_WAIT)
+        self.patience = compile_wait(timeout)
         self.patient = dist.new_group(list(everyone), timeout=datetime.timedelta(seconds=self.patience),
                                       backend="gloo")  # gather_after_compile's
         for g in sorted(set(groups)):  # new_group is collective: every rank creates every group, in order
@@ -181,11 +195,12 @@ class DistTransport:
         try:
             return gather_json(obj, group=self.patient, device=torch.device("cpu"))
         except RuntimeError as exc:
-            peers = tuple(r for r in range(self.world_size) if r != self.rank)
-            raise CommTimeoutError(failure_message(
-                self.rank, "waiting for every rank to compile its stage programs", peers,
-                waited=time.monotonic() - start, timeout=self.patience,
-                timed_out="timed out" in str(exc).lower())) from exc
+            waited = time.monotonic() - start
+            raise CommTimeoutError(
+                f"rank {self.rank}: waited {waited:.1f} s (limit {self.patience:.0f} s) for the other ranks to finish "
+                "compiling their stage programs: one of them died (check the logs for its error), hangs, or "
+                "compiles for longer; to wait longer set FNPIPE_COMPILE_WAIT=<seconds> on every rank. The "
+                "transport's own message is the chained cause.") from exc
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (JSON values only: what comes from a peer is parsed, never unpickled)."""

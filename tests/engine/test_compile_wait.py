@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from engine.execution import transport
 from tests.mpi.jobs import BIN, job_env, launch
 
 pytestmark = pytest.mark.mpi
@@ -20,4 +19,3 @@ def test_a_compile_longer_than_the_step_timeout_is_waited_out_under_mpirun() -> 
     for _, waited, values in rows:
         assert float(waited) >= 6.0, out  # rank 0 waited the whole 3 x 2 s for rank 1 (rank 1 slept it)
         assert values == "[{'rank': 0}, {'rank': 1}] [0, 1]", out
-    assert transport.COMPILE_WAIT >= 600

@@ -44,6 +44,24 @@ def test_the_planners_own_times_predict_the_planners_step(schedule: str, layout:
     assert got == pytest.approx(planned.plan.predicted_step_time, rel=1e-12)
 
 
+def test_an_order_with_split_and_fused_backwards_on_one_stage_predicts_the_planners_step() -> None:
+    """DeepSeek's DualPipeV order runs some backwards of a stage as B then W and others fused (BW): each
+    action must cost what the planner costs it (a BW = B + W), not the backward twice."""
+    import schedules
+
+    fn, params, x, y = _mlp()
+    build = schedules.get("dualpipev")
+    planned = search(fn, params, x, y, world_size=2, schedule="dualpipev", microbatches=4, device="cpu",
+                     build=lambda n, m, **o: build(n, m))
+    programs = [assemble(planned, r) for r in range(2)]
+    kinds: dict[int, set[str]] = {}
+    for ins in (i for p in programs for i in p.instrs if i.kind in ("backward_input", "backward")):
+        kinds.setdefault(ins.stage, set()).add(ins.kind)
+    assert any(len(k) == 2 for k in kinds.values()), kinds  # the case under test is there
+    got = predicted_step_time(planned.plan, planned.table, programs, _plans_own_times(planned))
+    assert got == pytest.approx(planned.plan.predicted_step_time, rel=1e-12)
+
+
 def test_with_data_parallel_the_all_reduce_is_added() -> None:
     planned = _planned("1f1b", {}, world=4, dp=2)
     assert planned.plan.allreduce_time > 0
@@ -131,3 +149,52 @@ def test_gather_keeps_one_measurement_per_program() -> None:
     assert Profile.from_json(got.to_json()) == got
     assert str(c) == "BW1 (+2 grads): 3000.00 ms, makes 30 B"
     assert set(KIND) == {"forward", "backward_input", "backward_weight", "backward"}
+
+
+def test_a_rank_that_fails_to_load_its_programs_fails_every_rank_at_once() -> None:
+    """One rank's compile raises: it raises its own error, and its peer is told at the gather that follows
+    the compiles (RuntimeMismatchError naming the rank), not after the wait's bound."""
+    fn, params, x, y = _mlp()
+    plan = engine.plan(fn, params, x, y, world_size=2, schedule="1f1b", microbatches=4)
+    steps = build_steps(fn, params, (x, y), plan)
+
+    def broken(stages, *, batch=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("inductor: out of registers (stand-in)")
+
+    steps[1].executor.warmup = broken  # type: ignore[method-assign]
+    errors: list[BaseException | None] = [None, None]
+
+    def work(step):  # type: ignore[no-untyped-def]
+        try:
+            step.profile_programs(x, y)
+        except Exception as exc:  # noqa: BLE001
+            errors[step.world.rank] = exc
+
+    import time
+
+    start = time.monotonic()
+    run_each(steps, work)
+    assert time.monotonic() - start < 10
+    assert isinstance(errors[1], RuntimeError) and "out of registers" in str(errors[1])
+    assert isinstance(errors[0], engine.RuntimeMismatchError), errors[0]
+    assert "rank 1 failed to load (compile) its stage programs: RuntimeError: inductor: out of registers" in str(errors[0])
+
+
+@pytest.mark.parametrize("text,expect", [(None, 1800.0), ("3600", 3600.0), ("5", 60.0)])
+def test_the_wait_after_compiling_is_set_by_fnpipe_compile_wait(monkeypatch, text, expect) -> None:  # type: ignore[no-untyped-def]
+    from engine.execution.transport import compile_wait
+
+    if text is None:
+        monkeypatch.delenv("FNPIPE_COMPILE_WAIT", raising=False)
+    else:
+        monkeypatch.setenv("FNPIPE_COMPILE_WAIT", text)
+    assert compile_wait(60.0) == expect  # never shorter than the step's own timeout
+
+
+@pytest.mark.parametrize("text", ["soon", "0", "-3"])
+def test_a_bad_fnpipe_compile_wait_names_the_fix(monkeypatch, text) -> None:  # type: ignore[no-untyped-def]
+    from engine.execution.transport import compile_wait
+
+    monkeypatch.setenv("FNPIPE_COMPILE_WAIT", text)
+    with pytest.raises(engine.PlanError, match="FNPIPE_COMPILE_WAIT=3600"):
+        compile_wait(60.0)
