@@ -22,6 +22,7 @@ from .execution.compilers import resolve, use_cache_dir
 from .execution.executor import COMPILERS, Hook, check_compiler
 from .execution.inputs import check_mode
 from .execution.step import Step, connect, microbatch_example
+from .execution.transport import compile_wait
 from .planning import cache as plancache
 from .planning.artifacts import Planned, Workshop, lowered_table, planned_from
 from .planning.candidates import batch_size_of
@@ -191,12 +192,14 @@ def _checked(step: Step, entry: plancache.CachedPlan | None, example_batch: Sequ
 
 
 def _check_options(compiler: str, check_inputs: str) -> None:
-    """Before anything slow or collective: PlanError for an unknown compiler or check_inputs mode."""
+    """Before anything slow or collective: PlanError for an unknown compiler or check_inputs mode, or a bad
+    FNPIPE_COMPILE_WAIT."""
     try:
         check_compiler(compiler)
     except ValueError as err:
         raise PlanError(str(err)) from err
     check_mode(check_inputs)
+    compile_wait(0.0)
 
 
 @attrs.frozen

@@ -198,3 +198,10 @@ def test_a_bad_fnpipe_compile_wait_names_the_fix(monkeypatch, text) -> None:  # 
     monkeypatch.setenv("FNPIPE_COMPILE_WAIT", text)
     with pytest.raises(engine.PlanError, match="FNPIPE_COMPILE_WAIT=3600"):
         compile_wait(60.0)
+
+
+def test_parallelize_refuses_a_bad_fnpipe_compile_wait_before_planning(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fn, params, x, y = _mlp()
+    monkeypatch.setenv("FNPIPE_COMPILE_WAIT", "later")
+    with pytest.raises(engine.PlanError, match="FNPIPE_COMPILE_WAIT='later'"):
+        engine.parallelize(fn, params, x, y, schedule="1f1b", microbatches=4)
