@@ -2,12 +2,12 @@
 
     # GPUs (the lead runs this): 2 x H200, bf16, BatchNorm in train mode
     PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/resnet_bench.py --model resnet101x4 --batch 128 \
-        --dtype bfloat16 --microbatches 8 --steps 10 [--calibrate] [--compiler inductor] [--json out.json]
+        --dtype bfloat16 --microbatches 8 --steps 10 [--calibrate] [--compiler fx,inductor] [--json out.json]
     # CPU, tiny (what tests run): 2 processes over gloo
     PYTHONPATH=. mpirun -n 2 python benchmarks/resnet_bench.py --tiny --steps 2
 
 Rows (each: images/s, seconds per step (median of --steps after --warmup), peak memory per rank):
-  fnpipe   `engine.parallelize` of `engine.functionalize(model)` (BN in train mode: running statistics as
+  fnpipe   (one row per --compiler) `engine.parallelize` of `engine.functionalize(model)` (BN in train mode: running statistics as
            state), 2 stages x dp 1 by default, its predicted step time beside the measured one
   ddp      DistributedDataParallel, every rank the whole model and 1/world of the batch (BN per rank)
   gpipe    torch.distributed.pipelining ScheduleGPipe, the model cut by hand into `world` stages at the
@@ -18,6 +18,7 @@ No optimizer step in any row: forward + backward + grad sync only, the same work
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -51,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rows", default="fnpipe,ddp,gpipe")
     ap.add_argument("--calibrate", nargs="?", const=True, default=False,
                     help="fnpipe: time every op on the GPU before planning (a path: keep the table there, reuse it)")
-    ap.add_argument("--compiler", default="fx")
+    ap.add_argument("--compiler", default="fx", help="fnpipe's stage compiler; several (fx,inductor): one fnpipe row each")
     ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = ap.parse_args()
     if args.tiny:
@@ -93,18 +94,18 @@ def timed(run: Callable[[], Any], args: argparse.Namespace, device: torch.device
     return statistics.median(times), peak
 
 
-def fnpipe_row(args: argparse.Namespace, world: engine.World) -> dict[str, Any]:
+def fnpipe_row(args: argparse.Namespace, world: engine.World, compiler: str) -> dict[str, Any]:
     fn, variables = engine.functionalize(model_of(args, torch.device("cpu")), loss=F.cross_entropy)
     x, y = data(args, torch.device("cpu"))
     train = args.bn == "train"
     step = engine.parallelize(fn, variables, x, y, schedule=args.schedule, microbatches=args.microbatches,
-                              has_aux=train, calibrate=args.calibrate, compiler=args.compiler, min_microbatch_size=1)
+                              has_aux=train, calibrate=args.calibrate, compiler=compiler, min_microbatch_size=1)
     local = step.shard(variables)
     seconds, peak = timed(lambda: step(local, x, y), args, world.device)
     plan, from_programs = step.plan, step.predicted_step_time
     replayed = [round(f.peak / 2**30, 2) for f in step.memory()]
     step.close()
-    return {"row": "fnpipe", "seconds": seconds, "peak_gib": peak, "predicted": plan.predicted_step_time,
+    return {"row": f"fnpipe {compiler}", "seconds": seconds, "peak_gib": peak, "predicted": plan.predicted_step_time,
             "program_predicted": from_programs, "predicted_peak_gib_per_rank": replayed,
             "layout": f"{plan.schedule} {plan.num_stages} stages x dp {plan.dp}, {plan.microbatches} x "
                       f"{plan.microbatch_size}", "cuts": list(plan.cuts)}
@@ -166,7 +167,18 @@ def gpipe_row(args: argparse.Namespace, world: engine.World) -> dict[str, Any]:
             "layout": f"torch.distributed.pipelining GPipe, {world.size} stages, {args.microbatches} microbatches"}
 
 
-ROWS = {"fnpipe": fnpipe_row, "ddp": ddp_row, "gpipe": gpipe_row}
+ROWS = {"ddp": ddp_row, "gpipe": gpipe_row}
+
+
+def rows_of(args: argparse.Namespace) -> list[tuple[str, Callable[[argparse.Namespace, engine.World], dict[str, Any]]]]:
+    """(name, run) for each row of --rows in order, "fnpipe" once per compiler of --compiler."""
+    out = []
+    for name in args.rows.split(","):
+        if name == "fnpipe":
+            out += [(f"fnpipe {c}", functools.partial(fnpipe_row, compiler=c)) for c in args.compiler.split(",")]
+        else:
+            out.append((name, ROWS[name]))
+    return out
 
 
 def main() -> None:
@@ -175,10 +187,10 @@ def main() -> None:
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)
     results = []
-    for name in args.rows.split(","):
+    for name, run in rows_of(args):
         if world.rank == 0:
             print(f"{name}: running", flush=True)
-        row = ROWS[name](args, world)
+        row = run(args, world)
         peaks = [torch.tensor([-1.0 if row["peak_gib"] is None else row["peak_gib"]])]
         gathered = [torch.zeros(1, device=world.device) for _ in range(world.size)]
         if dist.is_initialized():
@@ -199,7 +211,7 @@ def main() -> None:
             if r.get("program_predicted"):
                 pred += (f", from the measured programs {r['program_predicted']:.4f} s (measured "
                          f"{r['seconds'] / r['program_predicted']:.2f} x), replayed peak GiB {r['predicted_peak_gib_per_rank']}")
-            print(f"  {r['row']:7s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
+            print(f"  {r['row']:15s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
                   f"{r['peak_gib_per_rank']}{pred}  [{r['layout']}]")
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "rows": results}, indent=1))

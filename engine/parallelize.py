@@ -35,12 +35,13 @@ log = logging.getLogger("engine.runtime")
 
 
 def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.PathLike, *, microbatches: Any,
-                dp: Any, compiler: str = "fx") -> Any:
+                dp: Any, compiler: str = "fx", timeout: float = 60.0) -> Any:
     """Rank 0 times the model's ops on its device, all ranks get the table. A table saved at `where` is
     loaded first and only the signatures it lacks are timed (another microbatch size or dp makes new
     shapes); the grown table is saved back. With `compiler` other than fx (as resolved for the device),
-    the model's programs compiled by it are timed too (`Calibration.compiled`). If rank 0 fails, every
-    rank raises with its error."""
+    the model's programs compiled by it are timed too (`Calibration.compiled`). The others wait for rank 0
+    as for a compile (FNPIPE_COMPILE_WAIT, not `timeout`: a wide ResNet's ops take minutes to time). If
+    rank 0 fails, every rank raises with its error."""
     table, error = None, None
     if world.rank == 0:
         try:
@@ -48,11 +49,12 @@ def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.
         except Exception as exc:  # noqa: BLE001 -- re-raised below, after the others have heard of it
             error = exc
     if world.distributed:  # always: rank 0's table wins, whatever each rank found on disk
-        from .execution.transport import broadcast_json
+        from .execution.transport import broadcast_after_local_work
         from .planning.calibration import Calibration
 
-        text, message = broadcast_json([None if table is None else table.to_json(),
-                                        None if error is None else f"{type(error).__name__}: {error}"])
+        text, message = broadcast_after_local_work(
+            [None if table is None else table.to_json(), None if error is None else f"{type(error).__name__}: {error}"],
+            timeout, "calibrating the model's ops")
         table = None if text is None else Calibration.from_json(text)
         if message is not None and error is None:
             raise PlanError(f"calibration failed on rank 0 ({message}); fix that run, or pass calibrate=False")
@@ -141,7 +143,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                            device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
                            recompute=recompute, has_aux=has_aux, fused_recompute=compiler == "inductor",
                            min_microbatch_size=min_microbatch_size,
-                           **({"recipe": recipe} if recipe else {}), **({} if replicas is None else {"replicas": replicas})))
+                           **({"recipe": recipe} if recipe else {}), **({} if replicas is None else {"replicas": replicas})),
+                       timeout=timeout)
     use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
     transport = connect(world, planned.planned, timeout)
     step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
@@ -210,12 +213,12 @@ class _Found:
 
 def _planned(world: launch.World, workshop: Workshop, loss_fn: Callable, params: Any, batch: Sequence[Any], *,
              schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any, compiler: str,
-             options: dict[str, Any]) -> _Found:
+             options: dict[str, Any], timeout: float = 60.0) -> _Found:
     """The plan with its artefacts: searched here, or loaded from the plan cache and its stage programs
     built (once each) for it. A calibrated plan is costed as `compiler`'s programs run."""
     if calibrate:
         table = calibration(world, workshop, calibrate, microbatches=options["microbatches"], dp=options["dp"],
-                            compiler=compiler)
+                            compiler=compiler, timeout=timeout)
         options["calibration"] = table.for_compiler(compiler)
     if plan_cache is None:
         return _Found(search(loss_fn, params, *batch, world_size=world.size, schedule=schedule, workshop=workshop,

@@ -40,9 +40,11 @@ class Transport(Protocol):
 
 
 # How long a rank waits for the others to finish compiling their stage programs (the first gather after
-# them; the environment variable FNPIPE_COMPILE_WAIT, in seconds, overrides it). Compiles are local and may
-# differ by minutes between stages with a cold inductor cache, so this wait gets its own bound, on a gloo
-# group of its own (an NCCL job needs gloo to connect between its hosts too), not the step's timeout.
+# them), or for rank 0 to calibrate the model's ops (`broadcast_after_local_work`); the environment variable
+# FNPIPE_COMPILE_WAIT, in seconds, overrides it. Compiles and calibration are local and may differ by minutes
+# between ranks (a cold inductor cache; a ResNet's hundreds of convolution shapes), so these waits get their
+# own bound, on a gloo group of their own (an NCCL job needs gloo to connect between its hosts too), not the
+# step's timeout.
 COMPILE_WAIT = 1800.0
 
 
@@ -272,15 +274,35 @@ def gather_json(obj: Any, *, group: Any = None, device: torch.device | None = No
     return [_decode(p[:int(n.item())]) for p, n in zip(parts, sizes)]
 
 
-def broadcast_json(obj: Any, *, src: int = 0, device: torch.device | None = None) -> Any:
+def broadcast_json(obj: Any, *, src: int = 0, device: torch.device | None = None, group: Any = None) -> Any:
     """Rank `src`'s JSON value on every rank (the others pass anything), sent as bytes in tensors."""
-    device = device or _home(None)
+    device = device or _home(group)
     mine = _encode(obj, device) if dist.get_rank() == src else torch.empty(0, dtype=torch.uint8, device=device)
     size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src)
+    dist.broadcast(size, src=src, group=group)
     buf = mine if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=src)
+    dist.broadcast(buf, src=src, group=group)
     return _decode(buf)
+
+
+def broadcast_after_local_work(obj: Any, timeout: float, what: str, *, src: int = 0) -> Any:
+    """`broadcast_json` from `src` after work only `src` does (rank 0's calibration of the model's ops): the
+    others wait up to `compile_wait(timeout)` seconds (FNPIPE_COMPILE_WAIT), not the step's timeout, on a gloo
+    group made for it and destroyed after (no NCCL collective in flight while `src` still works)."""
+    patience = compile_wait(timeout)
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=patience),
+                           backend="gloo")
+    start = time.monotonic()
+    try:
+        return broadcast_json(obj, src=src, device=torch.device("cpu"), group=group)
+    except RuntimeError as exc:
+        raise CommTimeoutError(
+            f"rank {dist.get_rank()}: waited {time.monotonic() - start:.1f} s (limit {patience:.0f} s) for rank "
+            f"{src} to finish {what}: it died (check its log for the error), hangs, or needs longer; to wait "
+            "longer set FNPIPE_COMPILE_WAIT=<seconds> on every rank. The transport's own message is the chained "
+            "cause.") from exc
+    finally:
+        dist.destroy_process_group(group)
 
 
 class _DistWork:

@@ -19,3 +19,12 @@ def test_a_compile_longer_than_the_step_timeout_is_waited_out_under_mpirun() -> 
     for _, waited, values in rows:
         assert float(waited) >= 6.0, out  # rank 0 waited the whole 3 x 2 s for rank 1 (rank 1 slept it)
         assert values == "[{'rank': 0}, {'rank': 1}] [0, 1]", out
+
+
+def test_rank_0_calibrating_longer_than_the_step_timeout_is_waited_out_under_mpirun() -> None:
+    out = launch([str(BIN / "mpirun"), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+                  "tests/mpi/calibrate_wait.py"], timeout=180, env=job_env())
+    rows = re.findall(r"^CALIBRATED rank (\d) ([\d.]+) ([\d.]+)$", out, flags=re.M)
+    assert sorted(r for r, _, _ in rows) == ["0", "1"], out
+    assert all(float(waited) >= 6.0 for _, waited, _ in rows), out  # both waited out rank 0's 3 x 2 s
+    assert len({loss for _, _, loss in rows}) == 1, out  # one plan, one loss
