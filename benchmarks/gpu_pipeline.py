@@ -163,6 +163,7 @@ def predicted(step: engine.Step) -> dict[str, Any]:
     plan = step.plan
     return {"predicted_s": plan.predicted_step_time, "program_predicted_s": step.predicted_step_time,
             "profile": [str(p) for p in step.profile.programs] if step.profile is not None else None,
+            "against_plan": step.against_plan(),
             "predicted_bubble": plan.bubble_fraction,
             "predicted_peak_bytes": [f.peak for f in step.memory()],
             "planner_peak_bytes_with_adam_and_margin": list(plan.rank_memory),
@@ -231,7 +232,8 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
         print(step.plan, flush=True)
         predicted_ms = "n/a" if step.predicted_step_time is None else f"{step.predicted_step_time * 1e3:.2f} ms"
         print(f"stage programs measured before the first step (predicted step {predicted_ms} from them):\n"
-              f"{step.profile}", flush=True)
+              f"{step.profile}\nthe planner's stage times against them (ms a microbatch):\n{step.against_plan()}",
+              flush=True)
     local = step.shard(b.params)
     x, y = b.tokens.to(b.world.device), b.targets.to(b.world.device)
     t = time.perf_counter()

@@ -104,9 +104,10 @@ def fnpipe_row(args: argparse.Namespace, world: engine.World, compiler: str) -> 
     seconds, peak = timed(lambda: step(local, x, y), args, world.device)
     plan, from_programs = step.plan, step.predicted_step_time
     replayed = [round(f.peak / 2**30, 2) for f in step.memory()]
+    against = step.against_plan()
     step.close()
     return {"row": f"fnpipe {compiler}", "seconds": seconds, "peak_gib": peak, "predicted": plan.predicted_step_time,
-            "program_predicted": from_programs, "predicted_peak_gib_per_rank": replayed,
+            "program_predicted": from_programs, "predicted_peak_gib_per_rank": replayed, "against_plan": against,
             "layout": f"{plan.schedule} {plan.num_stages} stages x dp {plan.dp}, {plan.microbatches} x "
                       f"{plan.microbatch_size}", "cuts": list(plan.cuts)}
 
@@ -213,6 +214,8 @@ def main() -> None:
                          f"{r['seconds'] / r['program_predicted']:.2f} x), replayed peak GiB {r['predicted_peak_gib_per_rank']}")
             print(f"  {r['row']:15s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
                   f"{r['peak_gib_per_rank']}{pred}  [{r['layout']}]")
+            if r.get("against_plan"):
+                print("    " + r["against_plan"].replace("\n", "\n    "))
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "rows": results}, indent=1))
 

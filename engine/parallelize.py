@@ -18,6 +18,7 @@ import ir
 
 from .errors import PlanError, require_function
 from .execution import launch
+from .execution import rebalance as rebalancing
 from .execution.compilers import resolve, use_cache_dir
 from .execution.executor import COMPILERS, Hook, check_compiler
 from .execution.inputs import check_mode
@@ -90,7 +91,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                 calibrate: bool | str | os.PathLike = False, recompute: bool | str = "auto",
                 compute_dtype: torch.dtype | None = None, compiler: str = "auto", has_aux: bool = False,
                 check_inputs: str = "first", shard_optimizer: bool | str = False, recipe: Recipe | None = None,
-                min_microbatch_size: int | None = None, replicas: Sequence[int] | str | None = None) -> Step:
+                min_microbatch_size: int | None = None, replicas: Sequence[int] | str | None = None,
+                rebalance: bool | str = "auto") -> Step:
     """Trace, plan, emit and check the pipelined step of `loss_fn` for this job (see README).
 
     For a loss that is a mean over the batch, `step(params, *batch)` returns the full-batch loss on
@@ -119,7 +121,11 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     (engine.execution.compilers; `step.compile_seconds` says what each stage's compile took). `replicas` is how many ranks
     run each pipeline stage, like (2, 1): stage 0 on two ranks, each running every other microbatch, stage 1 on
     one (world = sum x dp); "auto" (the default when stages or dp is "auto") lets the planner choose unequal
-    counts where it predicts a faster step (engine.planning.replicas). `timeout` (positive seconds) bounds every
+    counts where it predicts a faster step (engine.planning.replicas). `rebalance`: once the stage programs are
+    measured (on CUDA, before the first step), re-split the same layout with each stage's measured / planned
+    seconds in the cost model and rebuild the step on the new cuts where that is predicted 3 % faster
+    (engine.execution.rebalance; `step.rebalanced` says what moved); "auto" (the default) where programs are
+    measured, True also on CPU (it measures them there), False never. `timeout` (positive seconds) bounds every
     wait; the step holds
     process groups until `step.close()` (or the end of `with engine.parallelize(...) as step:`).
     `shard_optimizer` (ZeRO-1: True, False, or "auto": where a layout fits only so) splits the optimizer
@@ -130,26 +136,47 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     require_function(loss_fn, "engine.parallelize")
     if compute_dtype is not None:
         loss_fn = _mixed(loss_fn, compute_dtype)
-    _check_options(compiler, check_inputs)
+    _check_options(compiler, check_inputs, rebalance)
     replicas = requested_replicas(replicas)  # before any communication: every rank refuses a bad count alike
     build = schedule_builder(schedule)
     recipe = training_recipe(recipe, shard_optimizer)
     world = launch.init(timeout)
     workshop = Workshop(loss_fn, params, example_batch, device=world.device.type, has_aux=has_aux)
     compiler = resolve(compiler, world.device)  # "auto": inductor on CUDA, fx elsewhere
+    options = dict(stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
+                   device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts, recompute=recompute,
+                   has_aux=has_aux, fused_recompute=compiler == "inductor", min_microbatch_size=min_microbatch_size,
+                   **({"recipe": recipe} if recipe else {}), **({} if replicas is None else {"replicas": replicas}))
     planned = _planned(world, workshop, loss_fn, params, example_batch, schedule=schedule, build=build,
-                       plan_cache=plan_cache, calibrate=calibrate, compiler=compiler, options=dict(
-                           stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
-                           device=world.device.type, stages_per_rank=stages_per_rank, cuts=cuts,
-                           recompute=recompute, has_aux=has_aux, fused_recompute=compiler == "inductor",
-                           min_microbatch_size=min_microbatch_size,
-                           **({"recipe": recipe} if recipe else {}), **({} if replicas is None else {"replicas": replicas})),
-                       timeout=timeout)
+                       plan_cache=plan_cache, calibrate=calibrate, compiler=compiler, options=options, timeout=timeout)
     use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
-    transport = connect(world, planned.planned, timeout)
-    step = Step(planned.planned, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs)
-    step.forward = getattr(loss_fn, "forward", None)  # engine.functionalize's eval-mode forward (step.evaluate)
-    return _checked(step, planned.entry, example_batch)
+
+    def started(found: Planned, entry: plancache.CachedPlan | None) -> Step:
+        step = Step(found, world, connect(world, found, timeout), hook=hook, compiler=compiler,
+                    check_inputs=check_inputs)
+        step.forward = getattr(loss_fn, "forward", None)  # engine.functionalize's eval-mode forward (step.evaluate)
+        return _checked(step, entry, example_batch, measure=rebalance is True)
+
+    step = started(planned.planned, planned.entry)
+    if rebalance is False or step.profile is None or cuts is not None:
+        return step
+
+    def replan(*, cuts: Sequence[int] | None, measured: Any) -> Planned:
+        plan = step.plan
+        same = dict(options, stages=plan.num_stages, dp=plan.dp, microbatches=plan.microbatches, cuts=cuts,
+                    stages_per_rank=plan.num_stages // plan.pipeline_depth, measured=measured)
+        same.pop("replicas", None)
+        return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
+                      workshop=workshop, build=schedule_builder(plan.schedule), **same)
+
+    found = rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan)
+    if found is None:
+        return step
+    log.info("rank %d: %s", world.rank, found)
+    step.close()
+    step = started(found.planned, None)
+    step.rebalanced = found
+    return step
 
 
 def training_recipe(recipe: Recipe | None, shard_optimizer: bool | str) -> Recipe | None:
@@ -175,13 +202,15 @@ def _mixed(fn: Callable, dtype: torch.dtype) -> Callable:
     return out
 
 
-def _checked(step: Step, entry: plancache.CachedPlan | None, example_batch: Sequence[Any] = ()) -> Step:
+def _checked(step: Step, entry: plancache.CachedPlan | None, example_batch: Sequence[Any] = (), *,
+             measure: bool = False) -> Step:
     """The ranks agree (Step.verify), the plan cache records or checks the programs, CUDA kernels load and
-    every program is measured there (Step.profile_programs); elsewhere compiled programs compile."""
+    every program is measured there (Step.profile_programs; elsewhere too with `measure`); elsewhere compiled
+    programs compile."""
     programs = step.verify()
     if entry is not None:
         plancache.record_programs(entry, programs, write=step.world.rank == 0)
-    if step.world.device.type == "cuda":  # kernels loaded, programs compiled and measured
+    if step.world.device.type == "cuda" or measure:  # kernels loaded, programs compiled and measured
         step.profile_programs(*example_batch)
         predicted = step.predicted_step_time
         log.info("rank %d: predicted step %s from the measured programs (planner: %.2f ms)", step.world.rank,
@@ -194,15 +223,18 @@ def _checked(step: Step, entry: plancache.CachedPlan | None, example_batch: Sequ
     return step
 
 
-def _check_options(compiler: str, check_inputs: str) -> None:
-    """Before anything slow or collective: PlanError for an unknown compiler or check_inputs mode, or a bad
-    FNPIPE_COMPILE_WAIT."""
+def _check_options(compiler: str, check_inputs: str, rebalance: Any = "auto") -> None:
+    """Before anything slow or collective: PlanError for an unknown compiler, check_inputs mode or rebalance
+    value, or a bad FNPIPE_COMPILE_WAIT."""
     try:
         check_compiler(compiler)
     except ValueError as err:
         raise PlanError(str(err)) from err
     check_mode(check_inputs)
     compile_wait(0.0)
+    if rebalance not in (True, False, "auto"):
+        raise PlanError(f"rebalance={rebalance!r}: give True (re-split from the measured stage programs, on CPU too), "
+                        "False (never), or \"auto\" (where the programs are measured: CUDA)")
 
 
 @attrs.frozen

@@ -7,6 +7,7 @@ FNPIPE_MASTER_ADDR; under torchrun the master is its MASTER_ADDR. engine/executi
 from __future__ import annotations
 
 import atexit
+import gc
 import datetime
 import logging
 import os
@@ -162,6 +163,7 @@ def _shutdown() -> None:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 -- at exit a peer may be gone; nothing left to do
             log.debug("destroy_process_group at exit: %s", exc)
+    gc.collect()  # a group held only by a reference cycle is joined now, not in finalisation
 
 
 def check_timeout(timeout: float) -> float:

@@ -21,6 +21,7 @@ import torch
 import schedules
 
 from ..planning.devices import get_device, get_link
+from ..planning.measured import MeasuredScale, Span
 from ..planning.plan import Plan
 from ..units import nbytes
 from .program import Instr, Program
@@ -153,6 +154,52 @@ def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int
     b = [mean.get((s, "B"), 0.0) if split[s] else mean.get((s, "BW"), 0.0) for s in range(num_stages)]
     w = [mean.get((s, "W"), 0.0) if split[s] else 0.0 for s in range(num_stages)]
     return f, b, w
+
+
+def measured_scale(plan: Plan, programs: Sequence[Program], profile: Profile) -> MeasuredScale | None:
+    """Each stage's measured over planned F, B and W seconds, on its equations (`engine.planning.measured`); a
+    stage that runs fused BW gives B and W its BW ratio. None if a program that runs was not measured."""
+    times = stage_seconds(profile, programs, plan.num_stages)
+    if times is None:
+        return None
+    f, b, w = times
+    split = {i.stage for p in programs for i in p.instrs if i.kind in ("backward_input", "backward_weight")}
+    spans = []
+    for s, st in enumerate(plan.stages):
+        if s not in split:  # fused BW only: stage_seconds gave it as B
+            rb = rw = _over(b[s], st.backward_input_time + st.backward_weight_time)
+        else:
+            rb, rw = _over(b[s], st.backward_input_time), _over(w[s], st.backward_weight_time)
+        spans.append(Span(st.start, st.stop, _over(f[s], st.forward_time), rb, rw))
+    return MeasuredScale(plan.num_eqns, spans)
+
+
+def _over(measured: float, planned: float) -> float:
+    """measured / planned, 1 where either is 0 (a stage with no B: the first, which makes no input grad)."""
+    return measured / planned if measured > 0 and planned > 0 else 1.0
+
+
+def against_plan(plan: Plan, programs: Sequence[Program], profile: Profile) -> str | None:
+    """Per stage, the planner's F and B + W milliseconds a microbatch beside the measured programs', and their
+    ratio (where the op costs misjudge a stage); None if a program that runs was not measured.
+
+        stage   F plan  F run   run/plan   B+W plan  B+W run   run/plan
+            0     4.10   3.90      0.95       8.30     9.10      1.10
+    """
+    times = stage_seconds(profile, programs, plan.num_stages)
+    if times is None:
+        return None
+    f, b, w = times
+    rows = [f"{'stage':>5} {'F plan':>8} {'F run':>8} {'run/plan':>9} {'B+W plan':>9} {'B+W run':>8} {'run/plan':>9}"]
+    for s, st in enumerate(plan.stages):
+        planned_b = st.backward_input_time + st.backward_weight_time
+        rows.append(f"{s:>5} {st.forward_time * 1e3:8.2f} {f[s] * 1e3:8.2f} {_ratio(f[s], st.forward_time):>9} "
+                    f"{planned_b * 1e3:9.2f} {(b[s] + w[s]) * 1e3:8.2f} {_ratio(b[s] + w[s], planned_b):>9}")
+    return "\n".join(rows)
+
+
+def _ratio(measured: float, planned: float) -> str:
+    return f"{measured / planned:.2f}" if planned > 0 else "-"
 
 
 def predicted_step_time(plan: Plan, table: schedules.Table, programs: Sequence[Program],

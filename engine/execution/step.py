@@ -20,7 +20,7 @@ from .assemble import Programs, channels, common_fingerprints, disagreements, in
 from .executor import Executor, Hook
 from .footprint import Footprint, footprint
 from .inputs import Inputs
-from .profile import Profile, gather, predicted_step_time
+from .profile import Profile, against_plan, gather, predicted_step_time
 from .program import Program
 from .spans import Span, Tracer
 from .transport import DistTransport, Hub, LocalTransport, Transport
@@ -73,6 +73,7 @@ class Step:
                                  dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
         self.closed = False
         self.profile: Profile | None = None  # the stage programs measured on the device (profile_programs)
+        self.rebalanced: Any = None  # parallelize's re-split from the measured programs, if it made one
         self.forward: Callable | None = None  # the eval function step.evaluate runs by default
         self.evaluators: dict[Any, Any] = {}  # (eval function, input shapes) -> its forward-only program
         self.has_aux = ir.returns_aux(self.graph)
@@ -196,6 +197,11 @@ class Step:
         if self.profile is None:
             return None
         return predicted_step_time(self.plan, self.table, self.programs.all(), self.profile)
+
+    def against_plan(self) -> str | None:
+        """Per stage, the planner's F and B + W times beside the measured programs' (`profile_programs`), as a
+        table; None before profiling."""
+        return None if self.profile is None else against_plan(self.plan, self.programs.all(), self.profile)
 
     def shard(self, params: Any) -> Any:
         """This rank's leaves moved to its device; leaves used only by other ranks become None. Every leaf is

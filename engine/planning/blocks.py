@@ -153,6 +153,9 @@ def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: in
         cuts += profile_cuts(cross, set(cuts), min_blocks - 1 - len(cuts))
     bounds = _merge_to([0, *sorted(cuts), n], times, max(max_blocks, 1))
     b_times, w_times = backward_estimates(g, times)
+    scales = model.eqn_scales(g)  # the stage programs' measured / planned seconds, where they were measured
+    if scales is not None:
+        times, b_times, w_times = ([t * x for t, x in zip(ts, xs)] for ts, xs in zip((times, b_times, w_times), scales))
     param_pos = {v: i for i, v in enumerate(g.params)}
     reads = [frozenset(param_pos[u] for u in e.inputs if u in param_pos) for e in g.eqns]
     return Blocks(

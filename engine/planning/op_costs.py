@@ -24,6 +24,7 @@ from ir.costs import base_name
 
 from .calibration import Calibration, accumulate_signature, signature
 from .devices import DeviceProfile, LinkProfile
+from .measured import MeasuredScale
 
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -52,6 +53,18 @@ class CostModel:
     device: DeviceProfile
     link: LinkProfile
     calibration: Calibration | None = None
+    measured: MeasuredScale | None = None  # the stage programs' measured / planned seconds (engine.planning.measured)
+
+    def stage_scale(self, graph: ir.Graph, start: int, stop: int) -> tuple[float, float, float]:
+        """The measured F, B, W ratios of equations [start, stop) of the microbatch graph ((1, 1, 1) unmeasured)."""
+        if self.measured is None:
+            return 1.0, 1.0, 1.0
+        times = [self.eqn_time(e) for e in graph.eqns[start:stop]]
+        return self.measured.of_range(times, start, stop, len(graph.eqns))
+
+    def eqn_scales(self, graph: ir.Graph) -> tuple[list[float], list[float], list[float]] | None:
+        """Each equation's measured F, B, W ratio for the microbatch graph, or None (unmeasured, another graph)."""
+        return None if self.measured is None else self.measured.per_eqn(len(graph.eqns))
 
     def eqn_time(self, e: ir.Eqn) -> float:
         """Predicted seconds for one equation; zero for views."""

@@ -40,6 +40,7 @@ from .candidates import (
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .floor import above_floor, floor_of
 from .layout import Layout, layouts
+from .measured import MeasuredScale
 from .memory import MemoryModel, rank_terms, with_recipe
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
@@ -168,11 +169,12 @@ class Session:
              memory_model: MemoryModel | None = None, calibration: Calibration | None = None,
              recompute: bool | str = "auto", build: Callable[..., schedules.Table] | None = None,
              fused_recompute: bool = False, recipe: Recipe | None = None, min_microbatch_size: int | None = None,
-             replicas: Sequence[int] | str | None = None, blocks: dict[tuple[Any, ...], Any] | None = None
-             ) -> Session:
-        """The planner of `schedule` for these options, checked (PlanError), nothing split yet."""
+             replicas: Sequence[int] | str | None = None, blocks: dict[tuple[Any, ...], Any] | None = None,
+             measured: MeasuredScale | None = None) -> Session:
+        """The planner of `schedule` for these options, checked (PlanError), nothing split yet. `measured`: the
+        stage programs' measured / planned seconds (engine.planning.measured), from a plan of the same graph."""
         profile = get_device(device)
-        model = CostModel(profile, get_link(link, profile), calibration)
+        model = CostModel(profile, get_link(link, profile), calibration, measured)
         build = build or schedule_builder(schedule)
         assert build is not None
         recompute = recompute_mode(recompute)

@@ -142,10 +142,11 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentia
     param_grads = {s for s in ad.grad_slots[:n_params] if s is not None}
     cts = {s for s in ad.ct_slots if s is not None}
     after_b = set(w.in_slots) & (from_f | acts_in | cts) | b_to_w  # what waits for W once B is done
+    fx, bx, wx = model.stage_scale(graph, stage.start, stage.stop)  # (1, 1, 1) unless programs were measured
     return StageCost(
-        start=stage.start, stop=stage.stop, forward=model.graph_time(f.graph),
-        backward_input=model.graph_time(b.graph),
-        backward_weight=model.graph_time(w.graph) + model.params_accumulate_time(graph, stage.param_ids),
+        start=stage.start, stop=stage.stop, forward=model.graph_time(f.graph) * fx,
+        backward_input=model.graph_time(b.graph) * bx,
+        backward_weight=(model.graph_time(w.graph) + model.params_accumulate_time(graph, stage.param_ids)) * wx,
         flops=sum(ir.eqn_cost(e).flops for e in g.eqns), params=tuple(stage.param_ids), param_bytes=nbytes,
         num_params=numel, saved_bytes=_slot_bytes(ad, from_f), b_to_w_bytes=_slot_bytes(ad, b_to_w),
         recv_bytes=sum(order[v].aval.nbytes for v in stage.acts_in),
@@ -185,11 +186,15 @@ def exact_blocks(graph: ir.Graph, blocks: Blocks, model: CostModel, *, device: s
     per_block = []
     differentiate = differentiate or autodiff_on(device)
     stages = ir.split(graph, blocks.bounds[1:-1])
+    plain = attrs.evolve(model, measured=None)  # blocks that print alike cost alike; measured scales differ by place
     for stage in stages:
         key = _core(stage)
         if key not in costs:
-            costs[key] = _exact_stage(graph, stage, model, differentiate)
-        per_block.append(costs[key])
+            costs[key] = _exact_stage(graph, stage, plain, differentiate)
+        fx, bx, wx = model.stage_scale(graph, stage.start, stage.stop)
+        c = costs[key]
+        per_block.append(attrs.evolve(c, forward=c.forward * fx, backward_input=c.backward_input * bx,
+                                      backward_weight=c.backward_weight * wx))
     order = list(graph.defined())
     recv = [sum(order[v].aval.nbytes for v in st.acts_in) for st in stages]  # each block's own, pass-through too
     return attrs.evolve(

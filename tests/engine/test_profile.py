@@ -9,8 +9,8 @@ import engine
 from engine.execution.assemble import assemble
 from engine.execution.footprint import footprint
 from engine.execution.inprocess import build_steps, run_each, run_steps
-from engine.execution.profile import KIND, Profile, ProgramCost, compute_only, first_instructions, gather, \
-    predicted_step_time
+from engine.execution.profile import KIND, Profile, ProgramCost, against_plan, compute_only, first_instructions, \
+    gather, predicted_step_time
 from engine.planning.search import search
 from tests.engine.test_footprint import _mlp
 
@@ -82,6 +82,23 @@ def test_a_slower_stage_slows_the_predicted_step_by_its_share() -> None:
     st = planned.plan.stages[1]
     extra = 4 * (st.forward_time + st.backward_input_time + st.backward_weight_time)  # 4 microbatches
     assert t1 >= t0 + extra * 0.999
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_against_plan_shows_each_stages_measured_over_planned(schedule: str) -> None:
+    """The per-stage table: the planner's own times read 1.00 everywhere; stage 1's programs made twice as
+    slow read 2.00 on stage 1 only, for fused BW (1f1b) and split B, W (zb-h1) alike."""
+    planned = _planned(schedule, {})
+    programs = [assemble(planned, r) for r in range(2)]
+    base = _plans_own_times(planned)
+    slow = Profile(attrs.evolve(p, seconds=2 * p.seconds) if p.stage == 1 else p for p in base.programs)
+    rows = [line.split() for line in against_plan(planned.plan, programs, slow).splitlines()[1:]]
+    assert [(r[0], r[3], r[6]) for r in rows] == [("0", "1.00", "1.00"), ("1", "2.00", "2.00")]
+    st = planned.plan.stages[1]
+    assert float(rows[1][2]) == pytest.approx(2 * st.forward_time * 1e3, abs=0.006)
+    assert float(rows[1][5]) == pytest.approx(2 * (st.backward_input_time + st.backward_weight_time) * 1e3, abs=0.006)
+    part = Profile(p for p in base.programs if p.stage != 1)
+    assert against_plan(planned.plan, programs, part) is None
 
 
 def test_a_program_not_measured_gives_no_prediction() -> None:

@@ -1,0 +1,68 @@
+"""Stage programs as measured on the device, fed back into the cost model: a scale per span of equations.
+
+The planner costs equations from calibrated (or roofline) op times with one scale for the whole model, but a
+compiler changes stages unevenly: inductor fuses a head's loss into its matmul and halves it while a block's
+attention hardly moves (GPT on 4 x H200, 2026-11-26: the head-and-loss stage planned at 1.14-1.41 x its
+measured programs, the block stages under). `Step.profile_programs` measures every stage's F, B and W; their
+ratios to the plan's own F, B, W become a `MeasuredScale`: each equation of a measured stage takes its stage's
+three ratios. A stage of a new split takes the mean of its equations' ratios weighted by their (unscaled)
+forward times, so the splitter moves equations off a stage that ran slower than planned
+(`engine.execution.rebalance`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+
+@attrs.frozen
+class Span:
+    """Equations [start, stop) of the microbatch graph, whose F, B and W ran `forward`, `backward_input` and
+    `backward_weight` times their planned seconds."""
+
+    start: int
+    stop: int
+    forward: float
+    backward_input: float
+    backward_weight: float
+
+    def __str__(self) -> str:
+        return (f"eqns {self.start}:{self.stop} F x{self.forward:.2f} B x{self.backward_input:.2f} "
+                f"W x{self.backward_weight:.2f}")
+
+
+@attrs.frozen
+class MeasuredScale:
+    """Per-span ratios of measured to planned seconds, for the microbatch graph of `num_eqns` equations that
+    was measured (another microbatch size makes another graph: the scale then does not apply)."""
+
+    num_eqns: int
+    spans: tuple[Span, ...] = attrs.field(converter=tuple)
+
+    def per_eqn(self, num_eqns: int) -> tuple[list[float], list[float], list[float]] | None:
+        """The F, B, W ratio of each equation of a graph of `num_eqns` equations (1 outside every span), or None
+        if this scale was measured on another graph."""
+        if num_eqns != self.num_eqns:
+            return None
+        f, b, w = [1.0] * num_eqns, [1.0] * num_eqns, [1.0] * num_eqns
+        for s in self.spans:
+            for i in range(s.start, min(s.stop, num_eqns)):
+                f[i], b[i], w[i] = s.forward, s.backward_input, s.backward_weight
+        return f, b, w
+
+    def of_range(self, times: Sequence[float], start: int, stop: int, num_eqns: int) -> tuple[float, float, float]:
+        """The F, B, W ratios of equations [start, stop) of a graph of `num_eqns`, weighted by `times` (those
+        equations' unscaled forward seconds; equally where they sum to 0); (1, 1, 1) for another graph."""
+        ratios = self.per_eqn(num_eqns)
+        if ratios is None or stop <= start:
+            return 1.0, 1.0, 1.0
+        weights = list(times)
+        total = sum(weights)
+        if total <= 0:
+            weights, total = [1.0] * (stop - start), float(stop - start)
+        f, b, w = (sum(wt * r for wt, r in zip(weights, part[start:stop])) / total for part in ratios)
+        return f, b, w
+
+    def __str__(self) -> str:
+        return "; ".join(map(str, self.spans))

@@ -1,0 +1,117 @@
+"""engine.execution.rebalance: the split redone from measured stage programs (engine.planning.measured)."""
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from engine.execution.assemble import assemble
+from engine.execution.profile import Profile, measured_scale
+from engine.execution.rebalance import rebalance
+from engine.planning.measured import MeasuredScale, Span
+from engine.planning.search import search
+from tests.engine.test_profile import _plans_own_times
+
+SCHEDULES = [("1f1b", {}), ("zb-h1", {}), ("zbv", {}), ("interleaved-1f1b", {"stages_per_rank": 2})]
+
+
+def _mlp(layers: int = 8, d: int = 64):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(0)
+    params = {"layers": [{"w1": torch.randn(d, 4 * d, generator=g) / d**0.5,
+                          "w2": torch.randn(4 * d, d, generator=g) / (4 * d)**0.5} for _ in range(layers)],
+              "head": torch.randn(d, 10, generator=g)}
+
+    def loss_fn(p, x, y):  # type: ignore[no-untyped-def]
+        for layer in p["layers"]:
+            x = x + torch.nn.functional.gelu(x @ layer["w1"]) @ layer["w2"]
+        return torch.nn.functional.cross_entropy(x @ p["head"], y)
+
+    return loss_fn, params, torch.randn(32, d, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+def _search(schedule: str, layout: dict, **options):  # type: ignore[no-untyped-def]
+    fn, params, x, y = _mlp()
+    return search(fn, params, x, y, world_size=2, schedule=schedule, microbatches=4, device="cpu", **layout, **options)
+
+
+def _replan(schedule: str, layout: dict):  # type: ignore[no-untyped-def]
+    def replan(*, cuts, measured):  # type: ignore[no-untyped-def]
+        return _search(schedule, layout, cuts=cuts, measured=measured)
+    return replan
+
+
+def _slowed(planned, stage: int, factor: float) -> Profile:  # type: ignore[no-untyped-def]
+    base = _plans_own_times(planned)
+    return Profile(attrs.evolve(p, seconds=factor * p.seconds) if p.stage == stage else p for p in base.programs)
+
+
+@pytest.mark.parametrize("schedule,layout", SCHEDULES)
+def test_programs_that_ran_as_planned_keep_the_plan(schedule: str, layout: dict) -> None:
+    planned = _search(schedule, layout)
+    programs = [assemble(planned, r) for r in range(2)]
+    assert rebalance(planned, programs, _plans_own_times(planned), _replan(schedule, layout)) is None
+
+
+@pytest.mark.parametrize("schedule,layout", SCHEDULES)
+def test_the_last_stage_measured_twice_as_slow_gives_its_equations_away(schedule: str, layout: dict) -> None:
+    """The last stage's programs ran 2 x their planned seconds: the cut before it moves later (fewer equations
+    there), the new split is predicted faster than the old cuts under the same measured costs, and its
+    last stage's planned times carry the 2 x of the equations it kept."""
+    planned = _search(schedule, layout)
+    last = planned.plan.num_stages - 1
+    programs = [assemble(planned, r) for r in range(2)]
+    found = rebalance(planned, programs, _slowed(planned, last, 2.0), _replan(schedule, layout))
+    assert found is not None
+    assert found.planned.plan.cuts[-1] > planned.plan.cuts[-1]
+    assert found.after < 0.97 * found.before
+    kept = _search(schedule, layout, cuts=planned.plan.cuts, measured=found.scale).plan
+    assert found.before == pytest.approx(kept.predicted_step_time, rel=1e-12)
+    was, now = planned.plan.stages[last], kept.stages[last]  # the old cuts under the scale: 2 x stage `last`
+    assert now.forward_time == pytest.approx(2 * was.forward_time, rel=1e-9)
+    assert now.backward_input_time + now.backward_weight_time == pytest.approx(
+        2 * (was.backward_input_time + was.backward_weight_time), rel=1e-9)
+    assert kept.stages[0].forward_time == pytest.approx(planned.plan.stages[0].forward_time, rel=1e-9)
+
+
+def test_the_scale_is_the_measured_over_planned_ratio_of_each_stage() -> None:
+    planned = _search("zb-h1", {})
+    programs = [assemble(planned, r) for r in range(2)]
+    scale = measured_scale(planned.plan, programs, _slowed(planned, 1, 3.0))
+    st = planned.plan.stages
+    assert scale == MeasuredScale(planned.plan.num_eqns, [Span(st[0].start, st[0].stop, 1.0, 1.0, 1.0),
+                                                          Span(st[1].start, st[1].stop, 3.0, 3.0, 3.0)])
+
+
+def test_a_range_takes_its_equations_ratios_weighted_by_their_forward_times() -> None:
+    scale = MeasuredScale(4, [Span(0, 2, 1.0, 1.0, 1.0), Span(2, 4, 3.0, 2.0, 5.0)])
+    assert scale.of_range([1.0, 3.0], 1, 3, 4) == pytest.approx((2.5, 1.75, 4.0))  # (1*1 + 3*3) / 4, ...
+    assert scale.of_range([0.0, 0.0], 1, 3, 4) == pytest.approx((2.0, 1.5, 3.0))  # no times: equal weights
+    assert scale.of_range([1.0, 3.0], 1, 3, 5) == (1.0, 1.0, 1.0)  # another graph: not scaled
+    assert scale.per_eqn(4) == ([1.0, 1.0, 3.0, 3.0], [1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 5.0, 5.0])
+
+
+@pytest.mark.mpi
+def test_parallelize_rebalances_under_mpirun_and_the_new_split_equals_func_grad() -> None:
+    """Two ranks, every schedule family: the last stage measured 3 x slow makes parallelize(rebalance=True)
+    re-split before the first step; both ranks move to the same cuts, and loss and every grad leaf equal
+    torch.func.grad's in float64."""
+    import re
+    import sys
+
+    from tests.mpi.jobs import BIN, job_env, launch
+
+    out = launch([str(BIN / "mpirun"), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+                  "tests/mpi/rebalance.py"], timeout=300, env=job_env())
+    rows = re.findall(r"^(OK|FAIL) rank (\d) (\S+) cuts (.*) -> (.*) max rel err (\S+)$", out, flags=re.M)
+    assert len(rows) == 8 and all(r[0] == "OK" for r in rows), out
+    for name in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b"):
+        mine = {(before, after) for _, _, n, before, after, _ in rows if n == name}
+        assert len(mine) == 1 and "None" not in next(iter(mine))[0], out  # the same move on both ranks
+
+
+def test_a_bad_rebalance_value_is_refused_before_planning() -> None:
+    import engine
+
+    fn, params, x, y = _mlp()
+    with pytest.raises(engine.PlanError, match="rebalance='yes'.*True.*False.*auto"):
+        engine.parallelize(fn, params, x, y, rebalance="yes")
