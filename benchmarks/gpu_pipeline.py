@@ -223,13 +223,17 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
         layout = {"dp": b.args.dp} if b.args.dp > 1 else {}
         if schedule in ("interleaved-1f1b", "looped-bfs", "interleaved-zb"):
             layout["stages_per_rank"] = b.args.stages_per_rank
+        name, _, mode = compiler.partition("-")  # "auto-fixed": compiler auto, the planner's split kept (no rebalance)
         step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
-                                  timeout=b.args.timeout, calibrate=calibration_path(b), compiler=compiler, **layout)
+                                  timeout=b.args.timeout, calibrate=calibration_path(b), compiler=name,
+                                  rebalance=mode != "fixed" and "auto", **layout)
     if step.profile is None:  # parallelize measures the programs on CUDA; the CPU smoke test does it here
         step.profile_programs(b.tokens, b.targets)
     build_s = time.perf_counter() - t
     if b.rank0:
         print(step.plan, flush=True)
+        if step.rebalanced is not None:
+            print(step.rebalanced, flush=True)
         predicted_ms = "n/a" if step.predicted_step_time is None else f"{step.predicted_step_time * 1e3:.2f} ms"
         print(f"stage programs measured before the first step (predicted step {predicted_ms} from them):\n"
               f"{step.profile}\nthe planner's stage times against them (ms a microbatch):\n{step.against_plan()}",
@@ -245,7 +249,8 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
                     across_ranks=not alone, residue=residue)
     b.add("fnpipe", f"{compiler}:{step.executor.compiler}", "1-stage" if alone else schedule, res,
           1 if alone else b.world.size, build_s=build_s, first_step_s=first_s, to_first_step_s=build_s + first_s,
-          compile_s={str(k): v for k, v in step.compile_seconds.items()}, **predicted(step))
+          compile_s={str(k): v for k, v in step.compile_seconds.items()},
+          rebalanced=None if step.rebalanced is None else str(step.rebalanced), **predicted(step))
     step.close()
     del step, local
 
@@ -369,7 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--schedules", default="1f1b,zb-h1,interleaved-1f1b,zbv", help="fnpipe schedules")
-    ap.add_argument("--compilers", default="auto,fx", help="fnpipe compilers: auto (inductor on CUDA), fx, inductor")
+    ap.add_argument("--compilers", default="auto,fx", help="fnpipe compilers: auto (inductor on CUDA), fx, inductor; "
+                    "with -fixed (auto-fixed): the planner's split kept, parallelize(rebalance=False)")
     ap.add_argument("--torch-eager", default="1f1b", help="PyTorch schedules with eager blocks")
     ap.add_argument("--torch-compiled", default="1f1b,gpipe,interleaved-1f1b",
                     help="PyTorch schedules with each block torch.compile'd (run in each family's part)")

@@ -105,9 +105,11 @@ def fnpipe_row(args: argparse.Namespace, world: engine.World, compiler: str) -> 
     plan, from_programs = step.plan, step.predicted_step_time
     replayed = [round(f.peak / 2**30, 2) for f in step.memory()]
     against = step.against_plan()
+    moved = None if step.rebalanced is None else str(step.rebalanced)
     step.close()
     return {"row": f"fnpipe {compiler}", "seconds": seconds, "peak_gib": peak, "predicted": plan.predicted_step_time,
             "program_predicted": from_programs, "predicted_peak_gib_per_rank": replayed, "against_plan": against,
+            "rebalanced": moved,
             "layout": f"{plan.schedule} {plan.num_stages} stages x dp {plan.dp}, {plan.microbatches} x "
                       f"{plan.microbatch_size}", "cuts": list(plan.cuts)}
 
@@ -214,6 +216,8 @@ def main() -> None:
                          f"{r['seconds'] / r['program_predicted']:.2f} x), replayed peak GiB {r['predicted_peak_gib_per_rank']}")
             print(f"  {r['row']:15s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
                   f"{r['peak_gib_per_rank']}{pred}  [{r['layout']}]")
+            if r.get("rebalanced"):
+                print(f"    {r['rebalanced']}")
             if r.get("against_plan"):
                 print("    " + r["against_plan"].replace("\n", "\n    "))
         if args.json:
