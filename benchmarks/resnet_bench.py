@@ -205,23 +205,30 @@ def main() -> None:
         results.append(row)
         if world.device.type == "cuda":
             torch.cuda.empty_cache()
+        if world.rank == 0:
+            print(row_text(row), flush=True)  # as it comes: a launch cut short keeps what it measured
+            if args.json:
+                Path(args.json).write_text(json.dumps({"args": vars(args), "rows": results}, indent=1))
     if world.rank == 0:
         print(f"{args.model} batch {args.batch} at {args.image}x{args.image}, {args.dtype}, BN in {args.bn} mode, "
               f"{world.size} ranks ({world.device.type})")
         for r in results:
-            pred = f", predicted {r['predicted']:.4f} s (measured {r['seconds'] / r['predicted']:.2f} x that)" \
-                if "predicted" in r else ""
-            if r.get("program_predicted"):
-                pred += (f", from the measured programs {r['program_predicted']:.4f} s (measured "
-                         f"{r['seconds'] / r['program_predicted']:.2f} x), replayed peak GiB {r['predicted_peak_gib_per_rank']}")
-            print(f"  {r['row']:15s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
-                  f"{r['peak_gib_per_rank']}{pred}  [{r['layout']}]")
-            if r.get("rebalanced"):
-                print(f"    {r['rebalanced']}")
-            if r.get("against_plan"):
-                print("    " + r["against_plan"].replace("\n", "\n    "))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "rows": results}, indent=1))
+            print(row_text(r))
+
+
+def row_text(r: dict[str, Any]) -> str:
+    pred = f", predicted {r['predicted']:.4f} s (measured {r['seconds'] / r['predicted']:.2f} x that)" \
+        if "predicted" in r else ""
+    if r.get("program_predicted"):
+        pred += (f", from the measured programs {r['program_predicted']:.4f} s (measured "
+                 f"{r['seconds'] / r['program_predicted']:.2f} x), replayed peak GiB {r['predicted_peak_gib_per_rank']}")
+    lines = [f"  {r['row']:15s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
+             f"{r['peak_gib_per_rank']}{pred}  [{r['layout']}]"]
+    if r.get("rebalanced"):
+        lines.append(f"    {r['rebalanced']}")
+    if r.get("against_plan"):
+        lines.append("    " + r["against_plan"].replace("\n", "\n    "))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
