@@ -86,7 +86,10 @@ def main() -> None:
     fwd, bwd = ad.forward, ad.backward
     keys = [signature(e) for part in (fwd, bwd) for e in part.graph.eqns if _costly(e)]
     summed = sum(cal.times.get(k, 0.0) for k in keys)
-    scale_now = program_scale(ad, graph, dev, cal, inputs, repeats=10)
+    found = program_scale(ad, graph, dev, cal, inputs, repeats=10)
+    f_keys = [signature(e) for e in fwd.graph.eqns if _costly(e)]
+    f_sum = sum(cal.times.get(k, 0.0) for k in f_keys)  # the whole-program ratio, forward and backward together
+    scale_now = (found.forward * f_sum + found.backward * (summed - f_sum)) / summed if summed else 1.0
     print(f"per microbatch: step {step_s * 1e3:.1f} ms (gc off {gc_off * 1e3:.1f}); program_scale now "
           f"{scale_now:.3f} x ops' sum {summed * 1e3:.1f} ms = {scale_now * summed * 1e3:.1f} ms; table's scale "
           f"{cal.scale:.3f} = {cal.scale * summed * 1e3:.1f} ms; plan predicts {step.plan.predicted_step_time / m * 1e3:.1f}"

@@ -6,9 +6,11 @@ N identical blocks measures one block's ops, not N. Then the model's whole forwa
 programs run once more, timed, and the table keeps how much longer they took than their ops' sum
 (`scale`): what ops timed alone miss, the gaps between launches and operands no longer in cache.
 
-Compiled programs (inductor) fuse ops, so their ops' sum says little about them: the same whole programs
-are compiled and timed too (at the "cheap" recompute level, as the planner plans stages for a fusing
-compiler), and `compiled[name]` keeps their seconds over the ops' sum (below 1 where fusion pays). `for_compiler(name)` is the table the planner costs that compiler's programs with: every
+Forward and backward programs get a scale each (`scale`, `backward_scale`): what ops timed alone miss differs
+between them. Compiled programs (inductor) fuse ops, so their ops' sum says little about them: the same whole
+programs are compiled and timed too (at the "cheap" recompute level, as the planner plans stages for a fusing
+compiler), and `compiled[name]` / `compiled_backward[name]` keep their seconds over the ops' sum (below 1 where
+fusion pays). `for_compiler(name)` is the table the planner costs that compiler's programs with: every
 op's time scaled by it, so stages are balanced as they run. (One factor for the whole model: a stage
 whose ops fuse better or worse than the model's average is mispredicted by that difference.)
 """
@@ -57,34 +59,58 @@ def accumulate_signature(aval: ir.AbstractValue) -> str:
 
 
 @attrs.frozen
+class ProgramScale:
+    """Whole programs' measured seconds over their ops' calibrated sum: the forward's, and the backward's
+    (fused B and W with the weight grads' accumulation). They differ: a ResNet's fx forward ran 0.85 x its
+    ops' sum and its backward 1.16 x (2 x H200, 2026-11-26), so one factor for both misjudged every stage."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+
+
+@attrs.frozen
 class Calibration:
-    """Measured seconds by op signature, for one device; `scale` is how much longer whole programs run
-    than the sum of their ops timed alone (measured by `program_scale`; 1 until then)."""
+    """Measured seconds by op signature, for one device; `scale` is how much longer whole forward programs
+    run than the sum of their ops timed alone, `backward_scale` the same for backward programs (measured by
+    `program_scale`; 1 until then; None in older tables: `scale`)."""
 
     device: str
     times: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
     scale: float = 1.0
-    compiled: Mapping[str, float] = attrs.field(factory=dict, converter=dict)  # compiler -> its programs' scale
+    compiled: Mapping[str, float] = attrs.field(factory=dict, converter=dict)  # compiler -> its forwards' scale
+    backward_scale: float | None = None
+    compiled_backward: Mapping[str, float] = attrs.field(factory=dict, converter=dict)  # and its backwards'
+
+    @property
+    def backward_ratio(self) -> float:
+        """backward_scale / scale: what a backward op's scaled time is multiplied by beyond a forward op's."""
+        return 1.0 if self.backward_scale is None or self.scale <= 0 else self.backward_scale / self.scale
+
+    def with_scale(self, found: ProgramScale) -> Calibration:
+        return attrs.evolve(self, scale=found.forward, backward_scale=found.backward)
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "times": dict(sorted(self.times.items())), "scale": self.scale,
-                           "compiled": dict(sorted(self.compiled.items()))})
+                           "compiled": dict(sorted(self.compiled.items())), "backward_scale": self.backward_scale,
+                           "compiled_backward": dict(sorted(self.compiled_backward.items()))})
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
         d = json.loads(text)
+        back = d.get("backward_scale")
         return cls(d["device"], {k: float(v) for k, v in d["times"].items()}, float(d.get("scale", 1.0)),
-                   {k: float(v) for k, v in d.get("compiled", {}).items()})
+                   {k: float(v) for k, v in d.get("compiled", {}).items()}, None if back is None else float(back),
+                   {k: float(v) for k, v in d.get("compiled_backward", {}).items()})
 
     def for_compiler(self, name: str) -> Calibration:
-        """The table as programs compiled by `name` run: its measured scale in place of fx's ("fx", or a
+        """The table as programs compiled by `name` run: its measured scales in place of fx's ("fx", or a
         compiler not measured yet: the table as it is, logged)."""
         if name == "fx":
             return self
         if name not in self.compiled:
             log.warning("no %s programs were timed in this calibration: costing them as fx programs", name)
             return self
-        return attrs.evolve(self, scale=self.compiled[name])
+        return attrs.evolve(self, scale=self.compiled[name], backward_scale=self.compiled_backward.get(name))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -192,61 +218,104 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
     fresh = calibration is None or cal.times != calibration.times
     if inputs is None:
         return cal  # nothing real to run: the scales stand
-    if fresh or calibration.scale == 1.0:
-        cal = attrs.evolve(cal, scale=program_scale(ad, g, dev, cal, inputs, repeats=repeats,
-                                                    compile_program=compile_program))
+    if fresh or calibration.scale == 1.0 or calibration.backward_scale is None:
+        cal = cal.with_scale(program_scale(ad, g, dev, cal, inputs, repeats=repeats, compile_program=compile_program))
     scales = {} if fresh else dict(cal.compiled)
-    if any(name not in scales for name in compiled or {}):  # a fusing compiler's stages run the cheap level
+    backs = {} if fresh else dict(cal.compiled_backward)
+    if any(name not in backs for name in compiled or {}):  # a fusing compiler's stages run the cheap level
         fused = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
                                   constant_outputs=range(1, len(g.outputs)), recompute="cheap")
     for name, compiler in (compiled or {}).items():
-        if name not in scales:
-            scales[name] = program_scale(fused, g, dev, cal, inputs, repeats=repeats, compile_program=compiler)
-            log.info("calibration: %s programs run %.3f x their ops' calibrated sum", name, scales[name])
-    return attrs.evolve(cal, compiled=scales)
+        if name not in backs:
+            found = program_scale(fused, g, dev, cal, inputs, repeats=repeats, compile_program=compiler)
+            scales[name], backs[name] = found.forward, found.backward
+            log.info("calibration: %s programs run %.3f x (forward) and %.3f x (backward) their ops' calibrated sum",
+                     name, found.forward, found.backward)
+    return attrs.evolve(cal, compiled=scales, compiled_backward=backs)
 
 
 def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibration,
                   inputs: Sequence[torch.Tensor], *, repeats: int = 5,
-                  compile_program: ProgramCompiler = ir.compile_graph) -> float:
-    """Measured seconds of model `g`'s forward and fused backward programs (`ad`) on the step's real
+                  compile_program: ProgramCompiler = ir.compile_graph) -> ProgramScale:
+    """Measured seconds of model `g`'s forward and of its fused backward program (`ad`) on the step's real
     params and microbatch (`inputs`), run as the runtime runs them (compiled, one after the other, weight
-    grads added into accumulators), over their calibrated ops' and accumulations' sum. Ops timed alone,
+    grads added into accumulators), each over its calibrated ops' (and accumulations') sum. Ops timed alone,
     each on the same random inputs again and again, miss what a program pays between them (launch gaps,
-    operands no longer in cache, the speed of real data); the cost model multiplies by this. 1.0 (logged)
+    operands no longer in cache, the speed of real data); the cost model multiplies by these. 1.0 (logged)
     when the programs cannot run here (too large for one device) or some op could not be timed alone."""
     if len(inputs) != len(g.inputs):
         log.warning("program scale not measured: %d inputs for a graph of %d", len(inputs), len(g.inputs))
-        return 1.0
+        return ProgramScale()
     fwd, bwd = ad.forward, ad.backward
     param_grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
     acc = tuple(k for k, slot in enumerate(bwd.out_slots) if slot in param_grads)
-    keys = [signature(e) for part in (fwd, bwd) for e in part.graph.eqns if _costly(e)]
-    keys += [accumulate_signature(g.inputs[param_grads[bwd.out_slots[k]]].aval) for k in acc]
-    missing = [k for k in keys if k not in cal.times]
+    f_keys = [signature(e) for e in fwd.graph.eqns if _costly(e)]
+    b_keys = [signature(e) for e in bwd.graph.eqns if _costly(e)]
+    b_keys += [accumulate_signature(g.inputs[param_grads[bwd.out_slots[k]]].aval) for k in acc]
+    missing = [k for k in (*f_keys, *b_keys) if k not in cal.times]
     if missing:  # their roofline times are not what the scale would correct
-        log.warning("program scale not measured: %d of %d ops could not be timed alone", len(missing), len(keys))
-        return 1.0
-    predicted = sum(cal.times[k] for k in keys)
-    if predicted <= 0:
-        return 1.0
+        log.warning("program scale not measured: %d of %d ops could not be timed alone", len(missing),
+                    len(f_keys) + len(b_keys))
+        return ProgramScale()
+    f_sum, b_sum = sum(cal.times[k] for k in f_keys), sum(cal.times[k] for k in b_keys)
     try:
-        slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
-        slots.update((i, x.to(device)) for i, x in enumerate(inputs))
-        run_f, run_b = compile_program(fwd.graph, ()), compile_program(bwd.graph, acc)
-        accs = [torch.zeros_like(slots[param_grads[bwd.out_slots[k]]]) for k in acc]
-
-        def once() -> None:
-            slots.update(zip(fwd.out_slots, run_f(*[slots[i] for i in fwd.in_slots])))
-            run_b(*[slots[i] for i in bwd.in_slots], *accs)
-
-        once()  # warm-up
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            once()
-        _sync(device)
+        f_run, b_run = _program_seconds(ad, device, inputs, acc, param_grads, repeats, compile_program)
     except Exception as err:  # noqa: BLE001 -- e.g. out of memory: the op times are used as they are
         log.warning("program scale not measured (op times used as they are): %s: %s", type(err).__name__, err)
-        return 1.0
-    return (time.perf_counter() - start) / repeats / predicted
+        return ProgramScale()
+    whole = (f_run + b_run) / (f_sum + b_sum) if f_sum + b_sum > 0 else 1.0
+    return ProgramScale(f_run / f_sum if f_sum > 0 else whole, b_run / b_sum if b_sum > 0 else whole)
+
+
+def _program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
+                     param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler
+                     ) -> tuple[float, float]:
+    """Seconds a run of the forward and of the fused backward program, one after the other `repeats` times
+    after a warm-up, each timed on its own (CUDA events, or the host clock on CPU)."""
+    fwd, bwd = ad.forward, ad.backward
+    slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
+    slots.update((i, x.to(device)) for i, x in enumerate(inputs))
+    run_f, run_b = compile_program(fwd.graph, ()), compile_program(bwd.graph, acc)
+    accs = [torch.zeros_like(slots[param_grads[bwd.out_slots[k]]]) for k in acc]
+    clock = _Clock(device)
+
+    def once(timed: bool) -> None:
+        clock.mark(timed)
+        slots.update(zip(fwd.out_slots, run_f(*[slots[i] for i in fwd.in_slots])))
+        clock.mark(timed)
+        run_b(*[slots[i] for i in bwd.in_slots], *accs)
+        clock.mark(timed)
+
+    once(False)  # warm-up
+    for _ in range(repeats):
+        once(True)
+    f, b = clock.split()
+    return f / repeats, b / repeats
+
+
+class _Clock:
+    """Marks between the parts of a run: CUDA events on a GPU (no sync between parts), the host clock on CPU.
+    Each timed run leaves three marks; `split()` sums the first gap of each (forward) and the second (backward),
+    in seconds."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.marks: list[Any] = []
+
+    def mark(self, timed: bool) -> None:
+        if not timed:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def split(self) -> tuple[float, float]:
+        _sync(self.device)
+        m = self.marks
+        gap = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
+        return (sum(gap(m[i], m[i + 1]) for i in range(0, len(m), 3)),
+                sum(gap(m[i + 1], m[i + 2]) for i in range(0, len(m), 3)))

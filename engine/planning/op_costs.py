@@ -55,6 +55,12 @@ class CostModel:
     calibration: Calibration | None = None
     measured: MeasuredScale | None = None  # the stage programs' measured / planned seconds (engine.planning.measured)
 
+    @property
+    def backward_ratio(self) -> float:
+        """How much more than a forward op's a backward op's calibrated time is scaled (the calibration's
+        backward over forward program scale; 1 uncalibrated). Applied to whole B and W costs."""
+        return 1.0 if self.calibration is None else self.calibration.backward_ratio
+
     def stage_scale(self, graph: ir.Graph, start: int, stop: int) -> tuple[float, float, float]:
         """The measured F, B, W ratios of equations [start, stop) of the microbatch graph ((1, 1, 1) unmeasured)."""
         if self.measured is None:

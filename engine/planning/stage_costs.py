@@ -143,6 +143,7 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentia
     cts = {s for s in ad.ct_slots if s is not None}
     after_b = set(w.in_slots) & (from_f | acts_in | cts) | b_to_w  # what waits for W once B is done
     fx, bx, wx = model.stage_scale(graph, stage.start, stage.stop)  # (1, 1, 1) unless programs were measured
+    bx, wx = bx * model.backward_ratio, wx * model.backward_ratio  # the calibration's backward program scale
     return StageCost(
         start=stage.start, stop=stage.stop, forward=model.graph_time(f.graph) * fx,
         backward_input=model.graph_time(b.graph) * bx,

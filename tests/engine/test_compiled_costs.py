@@ -9,7 +9,7 @@ import torch
 
 import engine
 import ir
-from engine.planning.calibration import Calibration, calibrate_training
+from engine.planning.calibration import Calibration, ProgramScale, calibrate_training
 
 
 def _mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def _twice(graph: ir.Graph, accumulate: tuple[int, ...]) -> Any:
 def measured() -> tuple:
     """A calibration whose program runs are scripted (CPU timings on a shared machine are too noisy to
     assert ratios of): `program_scale` answers 2.0 for the "twice" compiler and 1.5 for fx, and records
-    which programs it was asked to run."""
+    which programs it was asked to run; each compiler's backward programs scale twice its forwards'.""" 
     import engine.planning.calibration as calibration
 
     params = {"layers": [torch.randn(96, 96) for _ in range(3)]}
@@ -45,7 +45,8 @@ def measured() -> tuple:
 
     def scripted(ad, graph, device, cal, inputs, *, repeats=5, compile_program=ir.compile_graph):  # noqa: ANN001, ANN202
         asked.append((ad, compile_program))
-        return {_twice: 2.0, ir.compile_graph: 1.5}.get(compile_program, 3.0)
+        factor = {_twice: 2.0, ir.compile_graph: 1.5}.get(compile_program, 3.0)
+        return ProgramScale(factor, 2 * factor)  # backwards: twice the forwards' scale
 
     real = calibration.program_scale
     calibration.program_scale = scripted
@@ -59,13 +60,16 @@ def measured() -> tuple:
 def test_a_compilers_programs_get_their_own_measured_scale(measured: tuple) -> None:
     g, inputs, cal, asked, _ = measured
     assert cal.scale == 1.5 and cal.compiled == {"twice": 2.0}
+    assert cal.backward_scale == 3.0 and cal.compiled_backward == {"twice": 4.0} and cal.backward_ratio == 2.0
     (plain, fx), (fused, twice) = asked
     assert fx is ir.compile_graph and twice is _twice
     assert fused.saved_bytes() < plain.saved_bytes()  # compiled programs are timed at the cheap level (gelu redone)
     assert cal.for_compiler("twice").scale == 2.0 and cal.for_compiler("twice").times == cal.times
+    assert cal.for_compiler("twice").backward_scale == 4.0
     assert cal.for_compiler("fx") is cal and cal.for_compiler("inductor") is cal  # not measured: fx's, logged
     assert Calibration.from_json(cal.to_json()) == cal
-    assert Calibration.from_json('{"device": "cpu", "times": {}, "scale": 1.5}').compiled == {}  # older tables
+    older = Calibration.from_json('{"device": "cpu", "times": {}, "scale": 1.5}')  # tables from before the split
+    assert older.compiled == {} and older.backward_scale is None and older.backward_ratio == 1.0
 
 
 def test_scales_stand_until_ops_are_timed_again_and_a_new_compiler_is_measured_once(measured: tuple) -> None:
@@ -81,6 +85,7 @@ def test_scales_stand_until_ops_are_timed_again_and_a_new_compiler_is_measured_o
         calibration.program_scale = real
     assert len(asked) == n + 1  # only the new compiler's programs ran
     assert grown.compiled == {"twice": 2.0, "other": 3.0} and grown.scale == cal.scale
+    assert grown.compiled_backward == {"twice": 4.0, "other": 6.0} and grown.backward_scale == cal.backward_scale
 
 
 def test_the_planner_costs_a_compiled_plan_with_its_scale(measured: tuple) -> None:
@@ -89,5 +94,23 @@ def test_the_planner_costs_a_compiled_plan_with_its_scale(measured: tuple) -> No
     x = torch.randn(128, 96)
     fx = engine.plan(_mlp, params, x, microbatches=2, device="cpu", calibration=cal)
     twice = engine.plan(_mlp, params, x, microbatches=2, device="cpu", calibration=cal.for_compiler("twice"))
-    ratio = cal.compiled["twice"] / cal.scale
+    ratio = cal.compiled["twice"] / cal.scale  # forwards and backwards alike: 2 / 1.5 (4 / 3)
     assert twice.predicted_step_time == pytest.approx(ratio * fx.predicted_step_time, rel=0.05)
+
+
+def test_the_backward_scale_multiplies_b_and_w_and_not_f(measured: tuple) -> None:
+    """The planner's exact stage costs: with the backward programs' scale doubled, B and W cost twice as much
+    and F the same (one stage, so the ratio is exact)."""
+    import attrs
+
+    from engine.planning.devices import LINKS, get_device
+    from engine.planning.op_costs import CostModel
+    from engine.planning.stage_costs import exact
+
+    g, _, cal, _, _ = measured
+    same = attrs.evolve(cal, backward_scale=cal.scale)
+    (a,) = exact(g, [], CostModel(get_device("cpu"), LINKS["loopback"], same))
+    (b,) = exact(g, [], CostModel(get_device("cpu"), LINKS["loopback"], attrs.evolve(same, backward_scale=2 * cal.scale)))
+    assert b.forward == pytest.approx(a.forward, rel=1e-12)
+    assert b.backward_input == pytest.approx(2 * a.backward_input, rel=1e-12)
+    assert b.backward_weight == pytest.approx(2 * a.backward_weight, rel=1e-12)

@@ -227,6 +227,7 @@ def test_the_program_scale_is_measured_saved_and_multiplies_every_calibrated_tim
     cal = calibrate_training(g, "cpu", repeats=3, inputs=[*params["layers"], x])
     assert accumulate_signature(g.inputs[0].aval) in cal.times
     assert 0.05 < cal.scale < 50 and cal.scale != 1.0  # measured: some finite ratio, not the default
+    assert 0.05 < cal.backward_scale < 50 and cal.backward_scale != cal.scale  # the backward's, measured apart
     path = tmp_path / "cal.json"
     cal.save(path)
     assert Calibration.load(path) == cal
@@ -270,4 +271,4 @@ def test_a_program_too_large_for_the_device_leaves_the_scale_at_one(monkeypatch)
     monkeypatch.setattr(calibrate_module.ir, "compile_graph", out_of_memory)
     ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)))
     inputs = [*params["layers"], x]
-    assert calibrate_module.program_scale(ad, g, torch.device("cpu"), cal, inputs) == 1.0
+    assert calibrate_module.program_scale(ad, g, torch.device("cpu"), cal, inputs) == calibrate_module.ProgramScale()
