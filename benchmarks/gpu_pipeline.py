@@ -300,14 +300,16 @@ def one_device_rows(b: Bench) -> None:
     """Rank 0 alone, on a model of `--one-gpu-layers` blocks: eager autograd, torch.func.grad, fnpipe one
     stage per compiler. The other ranks wait at the barrier."""
     if b.rank0:
-        for label, run in [("eager autograd", lambda: b.add("torch", "eager-autograd", "1-gpu",
-                                                             b.measure(eager_step(b), loss_of=float, label="eager",
-                                                                       across_ranks=False), 1)),
-                           ("torch.func.grad", lambda: b.add("torch", "func.grad", "1-gpu",
-                                                             b.measure(grad_step(b), loss_of=float, label="grad",
-                                                                       across_ranks=False), 1)),
-                           *[(f"fnpipe 1-stage {c}", lambda c=c: run_fnpipe(b, "1f1b", compiler=c, alone=True))
-                             for c in b.args.compilers.split(",") if c]]:
+        wanted = _items(b.args.one_gpu_rows)
+        rows = [("eager autograd", lambda: b.add("torch", "eager-autograd", "1-gpu",
+                                                 b.measure(eager_step(b), loss_of=float, label="eager",
+                                                           across_ranks=False), 1)) if "eager" in wanted else None,
+                ("torch.func.grad", lambda: b.add("torch", "func.grad", "1-gpu",
+                                                  b.measure(grad_step(b), loss_of=float, label="grad",
+                                                            across_ranks=False), 1)) if "grad" in wanted else None,
+                *[(f"fnpipe 1-stage {c}", lambda c=c: run_fnpipe(b, "1f1b", compiler=c, alone=True))
+                  for c in _items(b.args.compilers) if "fnpipe" in wanted and not c.endswith("-fixed")]]
+        for label, run in [r for r in rows if r is not None]:
             if b.guard.elapsed() + b.args.min_row > b.guard.budget:  # rank 0 alone: its own clock decides
                 b.rows.append({"framework": "skipped", "variant": label, "schedule": "1-gpu", "error": "out of budget"})
                 continue
@@ -387,6 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "start with less than --min-row left are skipped")
     ap.add_argument("--min-row", type=float, default=40.0)
     ap.add_argument("--one-gpu-layers", type=int, default=8, help="blocks of the one-device rows' model (0: skip)")
+    ap.add_argument("--one-gpu-rows", default="eager,grad,fnpipe", help="which one-device rows: eager autograd, "
+                    "torch.func.grad, fnpipe one stage (per compiler)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = stages x dp)")
     ap.add_argument("--stages-per-rank", type=int, default=2, help="v of the interleaved schedules")
