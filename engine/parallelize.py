@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 import ir
 
-from .errors import PlanError, require_function
+from .errors import PlanError, RuntimeMismatchError, require_function
 from .execution import launch
 from .execution import rebalance as rebalancing
 from .execution.compilers import resolve, use_cache_dir
@@ -161,22 +161,36 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     if rebalance is False or step.profile is None or cuts is not None:
         return step
 
-    def replan(*, cuts: Sequence[int] | None, measured: Any) -> Planned:
+    def replan(*, measured: Any) -> Planned:
         plan = step.plan
-        same = dict(options, stages=plan.num_stages, dp=plan.dp, microbatches=plan.microbatches, cuts=cuts,
+        same = dict(options, stages=plan.num_stages, dp=plan.dp, microbatches=plan.microbatches, cuts=None,
                     stages_per_rank=plan.num_stages // plan.pipeline_depth, measured=measured)
         same.pop("replicas", None)
         return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
                       workshop=workshop, build=schedule_builder(plan.schedule), **same)
 
+    return _rebalanced(step, replan, started)
+
+
+def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step]) -> Step:
+    """`step`, or a Step rebuilt on the same layout re-split from its measured programs
+    (engine.execution.rebalance). The ranks confirm they made the same choice before the old step closes."""
     found = rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan)
+    mine = None if found is None else list(found.planned.plan.cuts)
+    chosen = step.transport.all_gather_json(mine)
+    if any(c != mine for c in chosen):
+        raise RuntimeMismatchError(f"rank {step.world.rank}: the ranks re-split differently from the same measured "
+                                   f"programs (cuts per rank: {chosen}); pass rebalance=False and report this")
     if found is None:
         return step
-    log.info("rank %d: %s", world.rank, found)
     step.close()
-    step = started(found.planned, None)
-    step.rebalanced = found
-    return step
+    rebuilt = started(found.planned, None)
+    rebuilt.rebalanced = attrs.evolve(found, measured_after=rebuilt.predicted_step_time)
+    log.info("rank %d: %s", rebuilt.world.rank, rebuilt.rebalanced)
+    if rebuilt.rebalanced.measured_after is not None and rebuilt.rebalanced.measured_after > found.before:
+        log.warning("rank %d: the re-split's measured programs predict %.2f ms, the planner's cuts' %.2f ms",
+                    rebuilt.world.rank, rebuilt.rebalanced.measured_after * 1e3, found.before * 1e3)
+    return rebuilt
 
 
 def training_recipe(recipe: Recipe | None, shard_optimizer: bool | str) -> Recipe | None:
@@ -232,7 +246,7 @@ def _check_options(compiler: str, check_inputs: str, rebalance: Any = "auto") ->
         raise PlanError(str(err)) from err
     check_mode(check_inputs)
     compile_wait(0.0)
-    if rebalance not in (True, False, "auto"):
+    if not (isinstance(rebalance, bool) or rebalance == "auto"):
         raise PlanError(f"rebalance={rebalance!r}: give True (re-split from the measured stage programs, on CPU too), "
                         "False (never), or \"auto\" (where the programs are measured: CUDA)")
 

@@ -101,9 +101,10 @@ def _bytes_made(run: Run, device: torch.device) -> int | None:
 
 
 def _seconds(run: Run, device: torch.device, reps: int) -> float:
-    """Seconds a run as a step sees them. On CUDA: `reps` runs back to back from an idle device, the host free
-    to launch one run's first kernels while the device finishes the last's (as it does between programs in
-    a step, where nothing but a transfer's completion ever makes it wait), over `reps`. A run timed alone
+    """Seconds a run as a step sees them. On CUDA: the median of three batches of `reps` runs back to back
+    from an idle device (each over `reps`), the host free to launch one run's first kernels while the device
+    finishes the last's (as it does between programs in a step, where nothing but a transfer's completion
+    ever makes it wait). A run timed alone
     from an idle device counts its launch-bound start and its device-bound end one after the other; in a
     step they overlap (timed alone, ResNet's fx programs predicted 1.16 x the measured step, 2026-11-26). On
     CPU, where a run is its host time, the median of `reps` runs."""
@@ -114,14 +115,17 @@ def _seconds(run: Run, device: torch.device, reps: int) -> float:
             run()
             times.append(time.perf_counter() - t)
         return statistics.median(times)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+    batches = []
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        end.synchronize()
+        batches.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(batches)
 
 
 def gather(mine: Sequence[ProgramCost], all_gather_json: Callable[[Any], list[Any]]) -> Profile:
@@ -170,6 +174,8 @@ def measured_scale(plan: Plan, programs: Sequence[Program], profile: Profile) ->
             rb = rw = _over(b[s], st.backward_input_time + st.backward_weight_time)
         else:
             rb, rw = _over(b[s], st.backward_input_time), _over(w[s], st.backward_weight_time)
+            if not (b[s] > 0 and st.backward_input_time > 0):  # the first stage: W holds its whole backward
+                rb = rw
         spans.append(Span(st.start, st.stop, _over(f[s], st.forward_time), rb, rw))
     return MeasuredScale(plan.num_eqns, spans)
 

@@ -290,10 +290,10 @@ def broadcast_after_local_work(obj: Any, timeout: float, what: str, *, src: int 
     others wait up to `compile_wait(timeout)` seconds (FNPIPE_COMPILE_WAIT), not the step's timeout, on a gloo
     group made for it and destroyed after (no NCCL collective in flight while `src` still works)."""
     patience = compile_wait(timeout)
-    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=patience),
-                           backend="gloo")
-    start = time.monotonic()
-    try:
+    start, group = time.monotonic(), None
+    try:  # the others wait for `src` in new_group already (gloo connects through the store)
+        group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=patience),
+                               backend="gloo")
         return broadcast_json(obj, src=src, device=torch.device("cpu"), group=group)
     except RuntimeError as exc:
         raise CommTimeoutError(
@@ -302,7 +302,8 @@ def broadcast_after_local_work(obj: Any, timeout: float, what: str, *, src: int 
             "longer set FNPIPE_COMPILE_WAIT=<seconds> on every rank. The transport's own message is the chained "
             "cause.") from exc
     finally:
-        dist.destroy_process_group(group)
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 class _DistWork:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.execution.assemble import assemble
-from engine.execution.profile import Profile, measured_scale
+from engine.execution.profile import Profile, measured_scale, predicted_step_time
 from engine.execution.rebalance import rebalance
 from engine.planning.measured import MeasuredScale, Span
 from engine.planning.search import search
@@ -35,8 +35,8 @@ def _search(schedule: str, layout: dict, **options):  # type: ignore[no-untyped-
 
 
 def _replan(schedule: str, layout: dict):  # type: ignore[no-untyped-def]
-    def replan(*, cuts, measured):  # type: ignore[no-untyped-def]
-        return _search(schedule, layout, cuts=cuts, measured=measured)
+    def replan(*, measured):  # type: ignore[no-untyped-def]
+        return _search(schedule, layout, measured=measured)
     return replan
 
 
@@ -55,17 +55,18 @@ def test_programs_that_ran_as_planned_keep_the_plan(schedule: str, layout: dict)
 @pytest.mark.parametrize("schedule,layout", SCHEDULES)
 def test_the_last_stage_measured_twice_as_slow_gives_its_equations_away(schedule: str, layout: dict) -> None:
     """The last stage's programs ran 2 x their planned seconds: the cut before it moves later (fewer equations
-    there), the new split is predicted faster than the old cuts under the same measured costs, and its
-    last stage's planned times carry the 2 x of the equations it kept."""
+    there), the new split is predicted faster than the running step's prediction from its measured programs,
+    and the old cuts costed under the scale carry the 2 x on the last stage only."""
     planned = _search(schedule, layout)
     last = planned.plan.num_stages - 1
     programs = [assemble(planned, r) for r in range(2)]
-    found = rebalance(planned, programs, _slowed(planned, last, 2.0), _replan(schedule, layout))
+    slow = _slowed(planned, last, 2.0)
+    found = rebalance(planned, programs, slow, _replan(schedule, layout))
     assert found is not None
     assert found.planned.plan.cuts[-1] > planned.plan.cuts[-1]
+    assert found.before == predicted_step_time(planned.plan, planned.table, programs, slow)
     assert found.after < 0.97 * found.before
     kept = _search(schedule, layout, cuts=planned.plan.cuts, measured=found.scale).plan
-    assert found.before == pytest.approx(kept.predicted_step_time, rel=1e-12)
     was, now = planned.plan.stages[last], kept.stages[last]  # the old cuts under the scale: 2 x stage `last`
     assert now.forward_time == pytest.approx(2 * was.forward_time, rel=1e-9)
     assert now.backward_input_time + now.backward_weight_time == pytest.approx(
@@ -80,6 +81,56 @@ def test_the_scale_is_the_measured_over_planned_ratio_of_each_stage() -> None:
     st = planned.plan.stages
     assert scale == MeasuredScale(planned.plan.num_eqns, [Span(st[0].start, st[0].stop, 1.0, 1.0, 1.0),
                                                           Span(st[1].start, st[1].stop, 3.0, 3.0, 3.0)])
+
+
+def test_the_first_stage_of_a_split_backward_scales_its_b_as_its_w() -> None:
+    """In zb-h1 stage 0 makes no input grad (planned B 0, no B program): its W holds its whole backward, so the
+    equations it gives away carry W's ratio for their B too, not 1."""
+    planned = _search("zb-h1", {})
+    programs = [assemble(planned, r) for r in range(2)]
+    assert planned.plan.stages[0].backward_input_time == 0.0
+    span = measured_scale(planned.plan, programs, _slowed(planned, 0, 3.0)).spans[0]
+    assert (span.forward, span.backward_input, span.backward_weight) == (3.0, 3.0, 3.0)
+
+
+def test_identical_blocks_in_different_stages_take_their_own_stages_scale() -> None:
+    """`exact_blocks` differentiates identical layers once; the measured scale still applies by place: the
+    same layer costs 2 x in the slowed span and 1 x elsewhere, in the block estimates (`coarsen`) too."""
+    from engine.planning.blocks import coarsen
+    from engine.planning.devices import LINKS, get_device
+    from engine.planning.op_costs import CostModel
+    from engine.planning.stage_costs import exact_blocks
+
+    planned = _search("1f1b", {})
+    g, n = planned.graph, len(planned.graph.eqns)
+    plain = CostModel(get_device("cpu"), LINKS["loopback"])
+    half = planned.plan.cuts[0]
+    scaled = CostModel(get_device("cpu"), LINKS["loopback"], measured=MeasuredScale(n, [Span(0, half, 2.0, 2.0, 2.0)]))
+    for make in (lambda m: coarsen(g, m, min_blocks=8), lambda m: exact_blocks(g, coarsen(g, plain, min_blocks=8), m)):
+        a, b = make(plain), make(scaled)
+        assert a.bounds == b.bounds
+        for k, (i, j) in enumerate(zip(a.bounds, a.bounds[1:])):
+            factor = 2.0 if j <= half else 1.0 if i >= half else None
+            if factor is not None and a.forward[k] > 0:
+                assert b.forward[k] == pytest.approx(factor * a.forward[k], rel=1e-9)
+                assert b.backward_input[k] == pytest.approx(factor * a.backward_input[k], rel=1e-9)
+
+
+def test_a_replan_that_fails_keeps_the_running_plan_and_one_stage_is_never_replanned() -> None:
+    from engine.errors import SplitError
+
+    planned = _search("zbv", {})
+    programs = [assemble(planned, r) for r in range(2)]
+
+    def fails(*, measured):  # type: ignore[no-untyped-def]
+        raise SplitError("rank 1 needs 2.5 MiB, the limit is 2.4 MiB")
+
+    assert rebalance(planned, programs, _slowed(planned, 1, 5.0), fails) is None
+    fn, params, x, y = _mlp()
+    alone = search(fn, params, x, y, world_size=1, schedule="1f1b", microbatches=4, device="cpu")
+    asked = []
+    assert rebalance(alone, [assemble(alone, 0)], _plans_own_times(alone), lambda **kw: asked.append(kw)) is None
+    assert asked == []
 
 
 def test_a_range_takes_its_equations_ratios_weighted_by_their_forward_times() -> None:
@@ -113,5 +164,6 @@ def test_a_bad_rebalance_value_is_refused_before_planning() -> None:
     import engine
 
     fn, params, x, y = _mlp()
-    with pytest.raises(engine.PlanError, match="rebalance='yes'.*True.*False.*auto"):
-        engine.parallelize(fn, params, x, y, rebalance="yes")
+    for bad in ("yes", 1, None):
+        with pytest.raises(engine.PlanError, match=f"rebalance={bad!r}.*True.*False.*auto"):
+            engine.parallelize(fn, params, x, y, rebalance=bad)
