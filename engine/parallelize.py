@@ -169,12 +169,14 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
                       workshop=workshop, build=schedule_builder(plan.schedule), **same)
 
-    return _rebalanced(step, replan, started)
+    return _rebalanced(step, replan, started, planned.entry)
 
 
-def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step]) -> Step:
+def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step],
+                entry: plancache.CachedPlan | None) -> Step:
     """`step`, or a Step rebuilt on the same layout re-split from its measured programs
-    (engine.execution.rebalance). The ranks confirm they made the same choice before the old step closes."""
+    (engine.execution.rebalance). The ranks confirm they made the same choice before the old step closes. A
+    plan cache entry then holds the re-split plan and its programs, so the next launch starts from it."""
     found = rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan)
     mine = None if found is None else list(found.planned.plan.cuts)
     chosen = step.transport.all_gather_json(mine)
@@ -184,7 +186,7 @@ def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..
     if found is None:
         return step
     step.close()
-    rebuilt = started(found.planned, None)
+    rebuilt = started(found.planned, None if entry is None else attrs.evolve(entry, plan=found.planned.plan, programs=None))
     rebuilt.rebalanced = attrs.evolve(found, measured_after=rebuilt.predicted_step_time)
     log.info("rank %d: %s", rebuilt.world.rank, rebuilt.rebalanced)
     if rebuilt.rebalanced.measured_after is not None and rebuilt.rebalanced.measured_after > found.before:

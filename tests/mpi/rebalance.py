@@ -7,6 +7,7 @@ schedule, `OK|FAIL rank R <schedule> cuts <before> -> <after> max rel err <e>`.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import attrs
@@ -54,10 +55,31 @@ def check(schedule: str, v: int, rank: int) -> str:
     return f"{'OK' if ok else 'FAIL'} rank {rank} {schedule} cuts {before} -> {after} max rel err {worst:.2e}"
 
 
+def cached(rank: int) -> str:
+    """With plan_cache: the first launch re-splits and rewrites the entry; the next (measured as planned, no
+    rebalance) loads the re-split plan and checks its programs against the entry's."""
+    import tempfile
+
+    params = models.init_params(dtype=torch.float64, layers=8, width=16)
+    batch = models.batch(size=16)
+    where = os.environ.get("FNPIPE_TEST_PLAN_CACHE") or f"{tempfile.gettempdir()}/fnpipe-rebalance-{os.getppid()}"
+    opts = dict(schedule="1f1b", stages=2, microbatches=4, plan_cache=where)
+    STATE["last"] = 1
+    executor.measure = slow_last
+    with engine.parallelize(models.loss_fn, params, *batch, rebalance=True, **opts) as step:
+        moved = None if step.rebalanced is None else list(step.rebalanced.planned.plan.cuts)
+    executor.measure = real_measure
+    with engine.parallelize(models.loss_fn, params, *batch, rebalance=False, **opts) as step:
+        again = list(step.plan.cuts)
+    ok = moved is not None and again == moved
+    return f"{'OK' if ok else 'FAIL'} rank {rank} plan_cache cuts {moved} -> {again} max rel err 0"
+
+
 def main() -> int:
     executor.measure = slow_last
     world = engine.init()
     lines = [check(name, v, world.rank) for name, v in SCHEDULES.items()]
+    lines.append(cached(world.rank))
     for line in lines:
         print(line, flush=True)
     return 1 if any(line.startswith("FAIL") for line in lines) else 0
