@@ -222,3 +222,31 @@ def test_parallelize_refuses_a_bad_fnpipe_compile_wait_before_planning(monkeypat
     monkeypatch.setenv("FNPIPE_COMPILE_WAIT", "later")
     with pytest.raises(engine.PlanError, match="FNPIPE_COMPILE_WAIT='later'"):
         engine.parallelize(fn, params, x, y, schedule="1f1b", microbatches=4)
+
+
+def test_on_cuda_each_programs_seconds_are_scaled_by_its_stages_interleaved_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A stage's programs timed alone (F 4 s, BW 6 s) and then in turn (cycle 8 s): each is charged 0.8 x its
+    own time, as in a step its launches overlap the other's device time. One program alone: as timed."""
+    import engine.execution.profile as profile
+
+    alone = {"F": 4.0, "BW": 6.0}
+
+    def seconds(run, device, reps):  # type: ignore[no-untyped-def]
+        name = getattr(run, "name", None)
+        return alone[name] if name else 8.0  # the cycle
+
+    def named(name):  # type: ignore[no-untyped-def]
+        def run():  # type: ignore[no-untyped-def]
+            return None
+        run.name = name  # type: ignore[attr-defined]
+        return run
+
+    monkeypatch.setattr(profile, "_seconds", seconds)
+    monkeypatch.setattr(profile, "_bytes_made", lambda run, device: 0)
+    cuda = torch.device("cuda")
+    costs = profile.measure([((0, "forward", ()), named("F")), ((0, "backward", ()), named("BW"))], cuda)
+    assert [c.seconds for c in costs] == pytest.approx([3.2, 4.8])
+    (one,) = profile.measure([((0, "forward", ()), named("F"))], cuda)
+    assert one.seconds == 4.0
+    cpu = profile.measure([((0, "forward", ()), named("F")), ((0, "backward", ()), named("BW"))], torch.device("cpu"))
+    assert [c.seconds for c in cpu] == [4.0, 6.0]  # nothing overlaps on CPU
