@@ -164,8 +164,9 @@ def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: in
         bounds=tuple(bounds),
         forward=_sums(times, bounds),
         backward_input=_sums(b_times, bounds),
-        backward_weight=tuple(w + back * model.params_accumulate_time(g, ps) for w, ps in
-                              zip(_sums(w_times, bounds), _block_params(reads, bounds))),
+        backward_weight=tuple(w + back * model.stage_scale(g, i, j)[2] * model.params_accumulate_time(g, ps)
+                              for w, ps, i, j in zip(_sums(w_times, bounds), _block_params(reads, bounds), bounds,
+                                                     bounds[1:])),
         flops=tuple(int(x) for x in _sums([ir.eqn_cost(e).flops for e in g.eqns], bounds)),
         saved=tuple(int(x) for x in _sums(_saved_estimate(g, times), bounds)),
         params=_block_params(reads, bounds),
