@@ -169,14 +169,15 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
                       workshop=workshop, build=schedule_builder(plan.schedule), **same)
 
-    return _rebalanced(step, replan, started, planned.entry)
+    return _rebalanced(step, replan, started)
 
 
-def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step],
-                entry: plancache.CachedPlan | None) -> Step:
+def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step]) -> Step:
     """`step`, or a Step rebuilt on the same layout re-split from its measured programs
     (engine.execution.rebalance). The ranks confirm they made the same choice before the old step closes. A
-    plan cache entry then holds the re-split plan and its programs, so the next launch starts from it."""
+    plan cache keeps the planner's plan: a re-split plan's stage times carry the measured scale it was made
+    under, so measuring it against them would undo the re-split on the next launch; each launch re-splits
+    from the planner's plan instead (the same cuts for the same measurements; its compiles cached)."""
     found = rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan)
     mine = None if found is None else list(found.planned.plan.cuts)
     chosen = step.transport.all_gather_json(mine)
@@ -186,7 +187,7 @@ def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..
     if found is None:
         return step
     step.close()
-    rebuilt = started(found.planned, None if entry is None else attrs.evolve(entry, plan=found.planned.plan, programs=None))
+    rebuilt = started(found.planned, None)
     rebuilt.rebalanced = attrs.evolve(found, measured_after=rebuilt.predicted_step_time)
     log.info("rank %d: %s", rebuilt.world.rank, rebuilt.rebalanced)
     if rebuilt.rebalanced.measured_after is not None and rebuilt.rebalanced.measured_after > found.before:

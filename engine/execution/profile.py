@@ -32,7 +32,7 @@ KIND = {"forward": "F", "backward_input": "B", "backward_weight": "W", "backward
 
 @attrs.frozen
 class ProgramCost:
-    """One stage program measured on its rank's device: `seconds` a run (`_seconds`), and the
+    """One stage program measured on its rank's device: `seconds` a run (`in_turn`), and the
     most bytes it held beyond its inputs during a run (None where the device keeps no allocator count)."""
 
     stage: int
@@ -80,28 +80,58 @@ Run = Callable[[], Any]
 
 def measure(runs: Sequence[tuple[Key, Run]], device: torch.device, *, reps: int = 3) -> tuple[ProgramCost, ...]:
     """Each program of `runs` (one stage's, already run once: compiled, kernels loaded) run again under the
-    allocator's peak counter, then timed over `reps` runs (`_seconds`); then all of them in turn, and each
-    one's seconds scaled by that cycle over their sum (`_interleaved`)."""
+    allocator's peak counter, then all of them timed in turn (`in_turn`)."""
     made = [_bytes_made(run, device) for _, run in runs]
-    alone = [_seconds(run, device, reps) for _, run in runs]
-    factor = _interleaved(runs, alone, device, reps)
-    return tuple(ProgramCost(*key, seconds=t * factor, peak_bytes=b) for (key, _), t, b in zip(runs, alone, made))
+    seconds = in_turn([run for _, run in runs], Clock(device), reps)
+    return tuple(ProgramCost(*key, seconds=t, peak_bytes=b) for (key, _), t, b in zip(runs, seconds, made))
 
 
-def _interleaved(runs: Sequence[tuple[Key, Run]], alone: Sequence[float], device: torch.device, reps: int) -> float:
-    """A stage's programs run one after another (F, then its backward programs, as a step alternates them), over
-    the sum of each timed on its own. A launch-bound program (a ResNet's fx forward: a thousand small kernels)
-    timed on its own counts its host time; in a step its launches overlap the device time of the backward
-    before it (one H200, resnet101x4 fx: the programs timed alone predicted 1.16 x the step). 1 for one
-    program, or on CPU (where nothing overlaps)."""
-    if len(runs) < 2 or device.type != "cuda" or sum(alone) <= 0:
-        return 1.0
-
-    def each() -> None:
-        for _, run in runs:
+def in_turn(runs: Sequence[Run], clock: Clock, reps: int) -> list[float]:
+    """Seconds of each run as a step sees them: all of them one after another (F, then the backward programs,
+    as a step alternates them), `reps` + 1 rounds back to back with no sync between, a clock mark before each
+    run; a run's seconds are the median over the rounds after the first of the time from its mark to the
+    next. On a GPU a mark is reached when the device gets there, so a run is charged what it adds to a
+    device that is never left waiting by the host unless the run itself is launch-bound: a ResNet's fx
+    forward (a thousand small kernels) timed alone counts its launches in full, while in a step they overlap
+    the backward before it (one H200, resnet101x4 fx: programs timed alone predicted 1.16 x the step,
+    2026-11-26). The first round starts from an idle device and is left out."""
+    clock.start()
+    for _ in range(reps + 1):
+        for run in runs:
+            clock.mark()
             run()  # its outputs dropped at once, as a step drops what it no longer needs
+    clock.mark()
+    gaps = clock.gaps()
+    n = len(runs)
+    return [statistics.median(gaps[r * n + i] for r in range(1, reps + 1)) for i in range(n)]
 
-    return _seconds(each, device, reps) / sum(alone)
+
+class Clock:
+    """Marks in the order the device reaches them: CUDA events on the current stream (read after one sync
+    at the end), the host clock elsewhere. `gaps()`: the seconds between consecutive marks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def start(self) -> None:
+        self.marks = []
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def gaps(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _bytes_made(run: Run, device: torch.device) -> int | None:
@@ -114,34 +144,6 @@ def _bytes_made(run: Run, device: torch.device) -> int | None:
     made = torch.cuda.max_memory_allocated(device) - before
     del outs
     return int(made)
-
-
-def _seconds(run: Run, device: torch.device, reps: int) -> float:
-    """Seconds a run as a step sees them. On CUDA: the median of three batches of `reps` runs back to back
-    from an idle device (each over `reps`), the host free to launch one run's first kernels while the device
-    finishes the last's (as it does between programs in a step, where nothing but a transfer's completion
-    ever makes it wait). A run timed alone
-    from an idle device counts its launch-bound start and its device-bound end one after the other; in a
-    step they overlap (timed alone, ResNet's fx programs predicted 1.16 x the measured step, 2026-11-26). On
-    CPU, where a run is its host time, the median of `reps` runs."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-    batches = []
-    for _ in range(3):
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            run()
-        end.record()
-        end.synchronize()
-        batches.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(batches)
 
 
 def gather(mine: Sequence[ProgramCost], all_gather_json: Callable[[Any], list[Any]]) -> Profile:

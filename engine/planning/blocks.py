@@ -139,6 +139,14 @@ def _saved_estimate(g: ir.Graph, times: Sequence[float]) -> list[int]:
             if t and not ir.recomputable(e) else 0 for e, t in zip(g.eqns, times)]
 
 
+def _weighted(weights: Sequence[float], values: Sequence[float]) -> float:
+    """The mean of `values` weighted by `weights` (equally where they sum to 0)."""
+    total = sum(weights)
+    if total <= 0:
+        return sum(values) / len(values) if values else 1.0
+    return sum(w * v for w, v in zip(weights, values)) / total
+
+
 def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: int = 1,
             max_blocks: int = MAX_BLOCKS) -> Blocks:
     """Blocks of `g` with their costs: module boundaries (with `fine`, also the cheap cuts inside
@@ -156,7 +164,9 @@ def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: in
     back = model.backward_ratio  # the calibration's backward program scale over its forward one
     b_times, w_times = [t * back for t in b_times], [t * back for t in w_times]
     scales = model.eqn_scales(g)  # the stage programs' measured / planned seconds, where they were measured
+    acc_scale = [1.0] * (len(bounds) - 1)
     if scales is not None:
+        acc_scale = [_weighted(times[i:j], scales[2][i:j]) for i, j in zip(bounds, bounds[1:])]
         times, b_times, w_times = ([t * x for t, x in zip(ts, xs)] for ts, xs in zip((times, b_times, w_times), scales))
     param_pos = {v: i for i, v in enumerate(g.params)}
     reads = [frozenset(param_pos[u] for u in e.inputs if u in param_pos) for e in g.eqns]
@@ -164,9 +174,8 @@ def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: in
         bounds=tuple(bounds),
         forward=_sums(times, bounds),
         backward_input=_sums(b_times, bounds),
-        backward_weight=tuple(w + back * model.stage_scale(g, i, j)[2] * model.params_accumulate_time(g, ps)
-                              for w, ps, i, j in zip(_sums(w_times, bounds), _block_params(reads, bounds), bounds,
-                                                     bounds[1:])),
+        backward_weight=tuple(w + back * x * model.params_accumulate_time(g, ps) for w, ps, x in
+                              zip(_sums(w_times, bounds), _block_params(reads, bounds), acc_scale)),
         flops=tuple(int(x) for x in _sums([ir.eqn_cost(e).flops for e in g.eqns], bounds)),
         saved=tuple(int(x) for x in _sums(_saved_estimate(g, times), bounds)),
         params=_block_params(reads, bounds),

@@ -98,19 +98,80 @@ def test_the_planner_costs_a_compiled_plan_with_its_scale(measured: tuple) -> No
     assert twice.predicted_step_time == pytest.approx(ratio * fx.predicted_step_time, rel=0.05)
 
 
-def test_the_backward_scale_multiplies_b_and_w_and_not_f(measured: tuple) -> None:
-    """The planner's exact stage costs: with the backward programs' scale doubled, B and W cost twice as much
-    and F the same (one stage, so the ratio is exact)."""
+def _models(cal: Calibration, ratio: float):  # type: ignore[no-untyped-def]
+    """Cost models with the table's scale for forwards and `ratio` x it for backwards, and with 1 x."""
     import attrs
 
     from engine.planning.devices import LINKS, get_device
     from engine.planning.op_costs import CostModel
+
+    same = attrs.evolve(cal, backward_scale=cal.scale)
+    scaled = attrs.evolve(same, backward_scale=ratio * cal.scale)
+    return (CostModel(get_device("cpu"), LINKS["loopback"], same),
+            CostModel(get_device("cpu"), LINKS["loopback"], scaled))
+
+
+def test_the_backward_scale_multiplies_b_and_w_and_not_f(measured: tuple) -> None:
+    """The planner's exact stage costs, two stages: with the backward programs' scale doubled, B and W cost
+    twice as much and F the same; a stage that redoes its forward in B (recompute) pays that forward at the
+    forward's scale: B = 2 x B - F."""
     from engine.planning.stage_costs import exact
 
     g, _, cal, _, _ = measured
-    same = attrs.evolve(cal, backward_scale=cal.scale)
-    (a,) = exact(g, [], CostModel(get_device("cpu"), LINKS["loopback"], same))
-    (b,) = exact(g, [], CostModel(get_device("cpu"), LINKS["loopback"], attrs.evolve(same, backward_scale=2 * cal.scale)))
+    one, two = _models(cal, 2.0)
+    cut = [len(g.eqns) // 2]
+    for a, b in zip(exact(g, cut, one), exact(g, cut, two)):
+        assert a.backward_input + a.backward_weight > 0
+        assert b.forward == pytest.approx(a.forward, rel=1e-12)
+        assert b.backward_input == pytest.approx(2 * a.backward_input, rel=1e-12)
+        assert b.backward_weight == pytest.approx(2 * a.backward_weight, rel=1e-12)
+    a, b = exact(g, cut, one, recompute=[True, True])[1], exact(g, cut, two, recompute=[True, True])[1]
+    assert a.backward_input > a.forward > 0
+    assert b.backward_input == pytest.approx(2 * a.backward_input - a.forward, rel=1e-12)
+
+
+def test_the_block_estimates_take_the_backward_scale_too(measured: tuple) -> None:
+    from engine.planning.blocks import coarsen
+
+    g, _, cal, _, _ = measured
+    one, two = _models(cal, 2.0)
+    a, b = coarsen(g, one, min_blocks=3), coarsen(g, two, min_blocks=3)
+    assert a.bounds == b.bounds and sum(a.backward_weight) > 0
     assert b.forward == pytest.approx(a.forward, rel=1e-12)
-    assert b.backward_input == pytest.approx(2 * a.backward_input, rel=1e-12)
-    assert b.backward_weight == pytest.approx(2 * a.backward_weight, rel=1e-12)
+    assert b.backward_input == pytest.approx([2 * t for t in a.backward_input], rel=1e-12)
+    assert b.backward_weight == pytest.approx([2 * t for t in a.backward_weight], rel=1e-12)
+
+
+def test_a_table_from_before_the_backward_scale_gets_it_measured(measured: tuple) -> None:
+    """A table saved with one scale (no backward_scale) is measured again when real inputs come."""
+    import attrs
+
+    g, inputs, cal, _, _ = measured
+    older = attrs.evolve(cal, backward_scale=None, compiled={}, compiled_backward={})
+    again = calibrate_training(g, "cpu", calibration=older, inputs=inputs, repeats=2)
+    assert again.backward_scale is not None and 0.01 < again.backward_scale < 100
+
+
+def test_forward_and_backward_programs_are_timed_apart() -> None:
+    """`_program_seconds` with a 'compiler' whose forward sleeps 10 ms and backward 30 ms a run."""
+    import time
+
+    from engine.planning import calibration as C
+
+    params = {"layers": [torch.randn(32, 32) for _ in range(2)]}
+    x = torch.randn(8, 32)
+    g = ir.trace(_mlp, params, x)
+    ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)))
+
+    def slow(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
+        fn, wait = ir.compile_graph(graph, acc), 0.01 if graph is ad.forward.graph else 0.03
+
+        def run(*args: Any) -> Any:
+            time.sleep(wait)
+            return fn(*args)
+        return run
+
+    grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
+    acc = tuple(k for k, slot in enumerate(ad.backward.out_slots) if slot in grads)
+    f, b = C._program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 3, slow)
+    assert 0.0095 < f < 0.025 and 0.0295 < b < 0.05

@@ -224,29 +224,44 @@ def test_parallelize_refuses_a_bad_fnpipe_compile_wait_before_planning(monkeypat
         engine.parallelize(fn, params, x, y, schedule="1f1b", microbatches=4)
 
 
-def test_on_cuda_each_programs_seconds_are_scaled_by_its_stages_interleaved_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A stage's programs timed alone (F 4 s, BW 6 s) and then in turn (cycle 8 s): each is charged 0.8 x its
-    own time, as in a step its launches overlap the other's device time. One program alone: as timed."""
-    import engine.execution.profile as profile
+def test_each_program_is_charged_from_its_mark_to_the_next_in_turn_the_first_round_left_out() -> None:
+    """`in_turn` on a scripted clock: three programs run in turn for 1 + 2 rounds; each is charged the median of
+    its gaps in rounds 2 and 3 (round 1 starts from an idle device), in run order, every run run each round."""
+    from engine.execution.profile import in_turn
 
-    alone = {"F": 4.0, "BW": 6.0}
+    calls: list[str] = []
 
-    def seconds(run, device, reps):  # type: ignore[no-untyped-def]
-        name = getattr(run, "name", None)
-        return alone[name] if name else 8.0  # the cycle
+    class Scripted:
+        def __init__(self) -> None:
+            self.t, self.marks = 0.0, []
 
-    def named(name):  # type: ignore[no-untyped-def]
-        def run():  # type: ignore[no-untyped-def]
-            return None
-        run.name = name  # type: ignore[attr-defined]
+        def start(self) -> None:
+            self.marks = []
+
+        def mark(self) -> None:
+            self.marks.append(self.t)
+
+        def gaps(self) -> list[float]:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    clock = Scripted()
+    cost = {"F": [9.0, 2.0, 4.0], "B": [9.0, 3.0, 3.0], "W": [9.0, 1.0, 1.5]}  # per round: the first is cold
+
+    def program(name: str):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            clock.t += cost[name][sum(c == name for c in calls)]
+            calls.append(name)
         return run
 
-    monkeypatch.setattr(profile, "_seconds", seconds)
-    monkeypatch.setattr(profile, "_bytes_made", lambda run, device: 0)
-    cuda = torch.device("cuda")
-    costs = profile.measure([((0, "forward", ()), named("F")), ((0, "backward", ()), named("BW"))], cuda)
-    assert [c.seconds for c in costs] == pytest.approx([3.2, 4.8])
-    (one,) = profile.measure([((0, "forward", ()), named("F"))], cuda)
-    assert one.seconds == 4.0
-    cpu = profile.measure([((0, "forward", ()), named("F")), ((0, "backward", ()), named("BW"))], torch.device("cpu"))
-    assert [c.seconds for c in cpu] == [4.0, 6.0]  # nothing overlaps on CPU
+    got = in_turn([program("F"), program("B"), program("W")], clock, reps=2)  # type: ignore[arg-type]
+    assert calls == ["F", "B", "W"] * 3
+    assert got == pytest.approx([3.0, 3.0, 1.25])
+
+
+def test_the_host_clock_times_runs_on_cpu() -> None:
+    import time as time_mod
+
+    from engine.execution.profile import Clock, in_turn
+
+    got = in_turn([lambda: time_mod.sleep(0.02), lambda: time_mod.sleep(0.005)], Clock(torch.device("cpu")), 2)
+    assert 0.019 < got[0] < 0.05 and 0.004 < got[1] < 0.02

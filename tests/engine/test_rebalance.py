@@ -114,6 +114,7 @@ def test_identical_blocks_in_different_stages_take_their_own_stages_scale() -> N
             if factor is not None and a.forward[k] > 0:
                 assert b.forward[k] == pytest.approx(factor * a.forward[k], rel=1e-9)
                 assert b.backward_input[k] == pytest.approx(factor * a.backward_input[k], rel=1e-9)
+                assert b.backward_weight[k] == pytest.approx(factor * a.backward_weight[k], rel=1e-9)
 
 
 def test_a_replan_that_fails_keeps_the_running_plan_and_one_stage_is_never_replanned() -> None:
@@ -145,8 +146,8 @@ def test_a_range_takes_its_equations_ratios_weighted_by_their_forward_times() ->
 def test_parallelize_rebalances_under_mpirun_and_the_new_split_equals_func_grad(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Two ranks, every schedule family: the last stage measured 3 x slow makes parallelize(rebalance=True)
     re-split before the first step; both ranks move to the same cuts, and loss and every grad leaf equal
-    torch.func.grad's in float64. With plan_cache the entry is rewritten: the next launch loads the re-split
-    plan."""
+    torch.func.grad's in float64. With plan_cache the entry keeps the planner's plan and a second launch
+    re-splits it to the same cuts."""
     import re
     import sys
 
