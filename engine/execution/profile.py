@@ -20,6 +20,7 @@ import torch
 
 import schedules
 
+from ..planning.calibration import Clock
 from ..planning.devices import get_device, get_link
 from ..planning.measured import MeasuredScale, Span
 from ..planning.plan import Plan
@@ -104,34 +105,6 @@ def in_turn(runs: Sequence[Run], clock: Clock, reps: int) -> list[float]:
     gaps = clock.gaps()
     n = len(runs)
     return [statistics.median(gaps[r * n + i] for r in range(1, reps + 1)) for i in range(n)]
-
-
-class Clock:
-    """Marks in the order the device reaches them: CUDA events on the current stream (read after one sync
-    at the end), the host clock elsewhere. `gaps()`: the seconds between consecutive marks."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.cuda = device, device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def start(self) -> None:
-        self.marks = []
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def gaps(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _bytes_made(run: Run, device: torch.device) -> int | None:

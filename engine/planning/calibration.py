@@ -277,45 +277,47 @@ def _program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torc
     slots.update((i, x.to(device)) for i, x in enumerate(inputs))
     run_f, run_b = compile_program(fwd.graph, ()), compile_program(bwd.graph, acc)
     accs = [torch.zeros_like(slots[param_grads[bwd.out_slots[k]]]) for k in acc]
-    clock = _Clock(device)
+    clock = Clock(device)
 
     def once(timed: bool) -> None:
-        clock.mark(timed)
+        if timed:
+            clock.mark()
         slots.update(zip(fwd.out_slots, run_f(*[slots[i] for i in fwd.in_slots])))
-        clock.mark(timed)
+        if timed:
+            clock.mark()
         run_b(*[slots[i] for i in bwd.in_slots], *accs)
-        clock.mark(timed)
 
     once(False)  # warm-up
+    clock.start()
     for _ in range(repeats):
         once(True)
-    f, b = clock.split()
-    return f / repeats, b / repeats
+    clock.mark()
+    gaps = clock.gaps()  # forward, backward, forward, ...
+    return sum(gaps[0::2]) / repeats, sum(gaps[1::2]) / repeats
 
 
-class _Clock:
-    """Marks between the parts of a run: CUDA events on a GPU (no sync between parts), the host clock on CPU.
-    Each timed run leaves three marks; `split()` sums the first gap of each (forward) and the second (backward),
-    in seconds."""
+class Clock:
+    """Marks in the order the device reaches them: CUDA events on the current stream (read after one sync
+    at the end), the host clock elsewhere. `gaps()`: the seconds between consecutive marks."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
+        self.device, self.cuda = device, device.type == "cuda"
         self.marks: list[Any] = []
 
-    def mark(self, timed: bool) -> None:
-        if not timed:
-            return
+    def start(self) -> None:
+        self.marks = []
+        _sync(self.device)
+
+    def mark(self) -> None:
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append(ev)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
 
-    def split(self) -> tuple[float, float]:
-        _sync(self.device)
-        m = self.marks
-        gap = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
-        return (sum(gap(m[i], m[i + 1]) for i in range(0, len(m), 3)),
-                sum(gap(m[i + 1], m[i + 2]) for i in range(0, len(m), 3)))
+    def gaps(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
