@@ -55,6 +55,28 @@ def check(schedule: str, v: int, rank: int) -> str:
     return f"{'OK' if ok else 'FAIL'} rank {rank} {schedule} cuts {before} -> {after} max rel err {worst:.2e}"
 
 
+def transformers_llama(rank: int) -> str:
+    """A model we did not write: transformers' Llama (tiny config, float64, 4 stages of zbv) re-split from its
+    last stage measured 3 x slow; loss and every grad leaf against torch.func.grad."""
+    from tests.models.zoo import causal_lm
+
+    case = causal_lm("llama")
+    ref_loss, ref = torch.func.grad_and_value(case.fn)(case.params, *case.batch)[::-1]
+    STATE["last"] = 3
+    executor.measure = slow_last
+    with engine.parallelize(case.fn, case.params, *case.batch, schedule="zbv", stages=4, microbatches=4,
+                            rebalance=True) as step:
+        moved = step.rebalanced
+        loss, grads = step(step.shard(case.params), *case.batch)
+        after = list(step.plan.cuts)
+    errs = [rel_err(loss.cpu(), ref_loss)]
+    errs += [rel_err(g.cpu(), r) for g, r in zip(pytree.tree_leaves(grads, is_leaf=lambda x: x is None),
+                                                  pytree.tree_leaves(ref)) if g is not None]
+    ok = moved is not None and max(errs) <= RTOL
+    before = None if moved is None else list(moved.cuts_before)
+    return f"{'OK' if ok else 'FAIL'} rank {rank} transformers-llama cuts {before} -> {after} max rel err {max(errs):.2e}"
+
+
 def cached(rank: int) -> str:
     """With plan_cache: the entry keeps the planner's plan; a second launch measuring the same re-splits to the
     same cuts (a re-split plan's times carry the scale it was made under, so it is never what is measured
@@ -83,6 +105,7 @@ def main() -> int:
     executor.measure = slow_last
     world = engine.init()
     lines = [check(name, v, world.rank) for name, v in SCHEDULES.items()]
+    lines.append(transformers_llama(world.rank))
     lines.append(cached(world.rank))
     for line in lines:
         print(line, flush=True)
