@@ -174,7 +174,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
 
 def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step]) -> Step:
     """`step`, or a Step rebuilt on the same layout re-split from its measured programs
-    (engine.execution.rebalance). The ranks confirm they made the same choice before the old step closes. A
+    (engine.execution.rebalance). The ranks confirm they made the same choice before the old step closes; a
+    re-split whose own measured programs predict a slower step than the planner's cuts goes back to them. A
     plan cache keeps the planner's plan: a re-split plan's stage times carry the measured scale it was made
     under, so measuring it against them would undo the re-split on the next launch; each launch re-splits
     from the planner's plan instead (the same cuts for the same measurements; its compiles cached)."""
@@ -190,10 +191,13 @@ def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..
     rebuilt = started(found.planned, None)
     rebuilt.rebalanced = attrs.evolve(found, measured_after=rebuilt.predicted_step_time)
     log.info("rank %d: %s", rebuilt.world.rank, rebuilt.rebalanced)
-    if rebuilt.rebalanced.measured_after is not None and rebuilt.rebalanced.measured_after > found.before:
-        log.warning("rank %d: the re-split's measured programs predict %.2f ms, the planner's cuts' %.2f ms",
-                    rebuilt.world.rank, rebuilt.rebalanced.measured_after * 1e3, found.before * 1e3)
-    return rebuilt
+    after = rebuilt.rebalanced.measured_after  # the same on every rank: from the gathered profile
+    if after is None or after <= found.before:
+        return rebuilt
+    log.warning("rank %d: the re-split's measured programs predict %.2f ms, the planner's cuts' %.2f ms: back to "
+                "the planner's cuts", rebuilt.world.rank, after * 1e3, found.before * 1e3)
+    rebuilt.close()
+    return started(step.planned, None)
 
 
 def training_recipe(recipe: Recipe | None, shard_optimizer: bool | str) -> Recipe | None:
