@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--image", type=int, default=224)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--schedule", default="1f1b", help="fnpipe's schedule")
+    ap.add_argument("--stages", default=None, help="fnpipe's stages: a count or auto (default: one per rank)")
+    ap.add_argument("--dp", default=None, help="fnpipe's dp: a count or auto (with --stages auto --dp auto the "
+                    "planner may choose plain data parallelism, as DDP runs)")
     ap.add_argument("--bn", choices=("train", "eval"), default="train")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ap.add_argument("--steps", type=int, default=10)
@@ -98,7 +101,8 @@ def fnpipe_row(args: argparse.Namespace, world: engine.World, compiler: str) -> 
     fn, variables = engine.functionalize(model_of(args, torch.device("cpu")), loss=F.cross_entropy)
     x, y = data(args, torch.device("cpu"))
     train = args.bn == "train"
-    step = engine.parallelize(fn, variables, x, y, schedule=args.schedule, microbatches=args.microbatches,
+    layout = {k: v if v in (None, "auto") else int(v) for k, v in (("stages", args.stages), ("dp", args.dp))}
+    step = engine.parallelize(fn, variables, x, y, schedule=args.schedule, microbatches=args.microbatches, **layout,
                               has_aux=train, calibrate=args.calibrate, compiler=compiler, min_microbatch_size=1)
     local = step.shard(variables)
     seconds, peak = timed(lambda: step(local, x, y), args, world.device)
