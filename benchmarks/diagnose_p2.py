@@ -2,15 +2,22 @@
 
     # 2 GPUs: one family per launch or several (gpt, llama, resnet), fnpipe 1f1b, fx and/or inductor
     PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/diagnose_p2.py --families llama,resnet --compilers fx
+    # 4 GPUs, zbv, the stage programs timed again after the steps (is the device's state what differs?)
+    PYTHONPATH=. torchrun --nproc_per_node 4 benchmarks/diagnose_p2.py --families gpt,llama --compilers auto \
+        --schedule zbv --remeasure
     # CPU smoke (gloo, tiny sizes)
     PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/diagnose_p2.py --tiny
 
 For each row it prints `engine.report.compare` (each stage's measured F/B against the plan's prediction,
-from `step.traced`) and, from a `torch.profiler` trace of one step on each rank: the step's wall time, the
-time some compute kernel runs (union), the NCCL kernel time, the GPU's idle time, the host-side
-synchronising calls (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking memcpy)
-and the kernels that take the most time. A step that is slower than predicted while its kernels take what
-the plan says is waiting: on a peer, on the host, or on a sync.
+from `step.traced`), `engine.report.against_programs` (each rank's programs as timed at start-up against
+the same programs in the step, what it waited for receives, and the step simulated from either) and, from a
+`torch.profiler` trace of one step on each rank: the step's wall time, the time some compute kernel runs
+(union), the sum of kernel times against the rank's programs at start-up, the NCCL kernel time, the GPU's
+idle time, the host-side synchronising calls (cudaStreamSynchronize, cudaDeviceSynchronize,
+cudaEventSynchronize, blocking memcpy) and the kernels that take the most time. A step that is slower than
+predicted while its kernels take what the plan says is waiting: on a peer, on the host, or on a sync.
+Rank 0 writes `$OUT/spans_<family>_<compiler>_<schedule>.json` (every rank's spans, the lowered table, the
+profile) for offline analysis, and each rank its profiler trace.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine
 from benchmarks.families import family
 from engine import report
+from engine.execution.profile import KIND
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy(")
 
@@ -94,6 +103,35 @@ def resnet_case(tiny: bool, m: int, dtype: torch.dtype, device: torch.device):
     return fn, variables, (x, y), {"has_aux": True, "min_microbatch_size": 1}
 
 
+def program_compute_ms(step: Any) -> float | None:
+    """This rank's compute instructions of one step, each at its program's seconds measured before the first
+    step (`step.profile`): what its kernels would take if the step ran them as they ran alone, in turn."""
+    if step.profile is None:
+        return None
+    total = 0.0
+    for ins in step.programs[step.world.rank].instrs:
+        if ins.kind in KIND:
+            cost = step.profile.of((ins.stage, ins.kind, ins.accumulated()))
+            if cost is None:
+                return None
+            total += cost.seconds
+    return total * 1e3
+
+
+def remeasured(step: Any, batch: tuple, world: Any) -> dict[str, float] | None:
+    """The stage programs timed again right after the timed steps (a device that has been busy for a while,
+    where `parallelize` timed them on one that had been compiling): each program's seconds now over then,
+    over every rank's programs. The step keeps its first profile."""
+    first = step.profile
+    if first is None:
+        return None
+    now = step.profile_programs(*batch)
+    step.profile = first
+    ratios = [b.seconds / a.seconds for a in first.programs for b in now.programs
+              if a.key == b.key and a.seconds > 0]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+
+
 def barrier() -> None:
     """A barrier over the job (a world of one has no process group)."""
     if dist.is_initialized():
@@ -120,8 +158,11 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
                               timeout=args.timeout, **extra)
     build_s = time.perf_counter() - t
     local = step.shard(params)
+    if step.profile is None:  # parallelize measures the programs on CUDA only; here for against_programs too
+        step.profile_programs(*batch)
     timed(step, local, batch, world.device, 3)
     seconds = timed(step, local, batch, world.device, args.steps)
+    again = remeasured(step, batch, world) if args.remeasure else None
     _, _, spans = step.traced(local, *batch)
     every = step.all_spans(spans)
     out = Path(os.environ.get("OUT", "out"))
@@ -138,13 +179,19 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
     prof.export_chrome_trace(str(path))
     stats = kernel_stats(path, wall) if cuda else {"wall_ms": wall / 1e3}
     stats["rank"] = world.rank
+    stats["prog_compute_ms"] = program_compute_ms(step)
     gathered = step.transport.all_gather_json(stats)
     row = {"label": label, "compiler": compiler, "measured_s": seconds,
-           "predicted_s": step.plan.predicted_step_time, "build_s": build_s, "ranks": gathered,
-           "cuts": list(step.plan.cuts), "recompute": [str(r) for r in step.plan.recompute]}
+           "predicted_s": step.plan.predicted_step_time, "prog_s": step.predicted_step_time, "build_s": build_s, "ranks": gathered,
+           "cuts": list(step.plan.cuts), "remeasured": again, "recompute": [str(r) for r in step.plan.recompute]}
     if world.rank == 0:
         print(step.plan, flush=True)
         print(report.compare(step, every), flush=True)
+        print(report.against_programs(step, every), flush=True)
+        dump = {"spans": [attrs.asdict(x) for x in every], "table": [[str(a) for a in r] for r in step.table.rows],
+                "profile": step.profile.to_json() if step.profile is not None else None,
+                "measured_s": seconds, "prog_s": step.predicted_step_time}
+        (out / f"spans_{label}_{compiler}_{args.schedule}.json").write_text(json.dumps(dump))
         print(json.dumps(row, indent=1), flush=True)
     step.close()
     return row
@@ -160,6 +207,8 @@ def main() -> int:
     ap.add_argument("--calibrate", default=None, help="directory for calibration tables (none: uncalibrated)")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="time the stage programs again after the timed steps (now / at start-up, per program)")
     args = ap.parse_args()
     world = engine.init(timeout=args.timeout)
     tiny = args.tiny or world.device.type == "cpu"
@@ -176,14 +225,24 @@ def main() -> int:
             if world.device.type == "cuda":
                 torch.cuda.empty_cache()
     if world.rank == 0:
-        print("\n| row | measured s | predicted s | m/p | rank | wall ms | compute ms | nccl ms | idle ms | syncs |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| row | measured s | predicted s | m/p | from programs s | m/prog | rank | wall ms | compute ms "
+              "(union) | kernels ms (sum) | programs ms | kernels / programs | nccl ms | idle ms | syncs |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
+            prog = r.get("prog_s")
+            m_prog = f"{prog:.4f} | {r['measured_s'] / prog:.3f}" if prog else "- | -"
             for k in r["ranks"]:
-                print(f"| {r['label']} {r['compiler']} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | "
-                      f"{r['measured_s'] / r['predicted_s']:.3f} | {k['rank']} | {k['wall_ms']:.1f} | "
-                      f"{k.get('compute_ms', 0):.1f} | {k.get('nccl_ms', 0):.1f} | {k.get('idle_ms', 0):.1f} | "
-                      f"{k.get('syncs', {})} |")
+                pc, ks = k.get("prog_compute_ms"), k.get("compute_sum_ms", 0.0)
+                k_prog = f"{pc:.1f} | {ks / pc:.3f}" if pc else "- | -"
+                print(f"| {r['label']} {r['compiler']} {args.schedule} | {r['measured_s']:.4f} | "
+                      f"{r['predicted_s']:.4f} | {r['measured_s'] / r['predicted_s']:.3f} | {m_prog} | "
+                      f"{k['rank']} | {k['wall_ms']:.1f} | {k.get('compute_ms', 0):.1f} | {ks:.1f} | {k_prog} | "
+                      f"{k.get('nccl_ms', 0):.1f} | {k.get('idle_ms', 0):.1f} | {k.get('syncs', {})} |")
+        for r in rows:
+            if r.get("remeasured"):
+                a = r["remeasured"]
+                print(f"{r['label']} {r['compiler']}: the {a['n']} stage programs timed again after the steps: "
+                      f"{a['median']:.3f} x their start-up seconds (median; {a['min']:.3f}-{a['max']:.3f})")
     barrier()
     if dist.is_initialized():
         dist.destroy_process_group()

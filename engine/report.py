@@ -11,8 +11,8 @@
 Ratios are measured / predicted: above 1 the plan was optimistic. Per stage the table also says its
 recomputation ("no", "cheap": norms and pointwise chains, "full": the forward) and the seconds its programs
 took to compile on this rank ("-": fx programs, or another rank's stage). Times are medians over microbatches of
-one traced step; an instruction's time includes waiting for the inputs it receives (the runtime waits
-for a receive when it first reads the buffer), so stalls show up in the stage that waited. Measured
+one traced step, each from when the instruction's inputs were there (the runtime waits for a receive when
+it first reads the buffer); what each rank waited for its receives is a column of the rank table. Measured
 memory is `torch.cuda.max_memory_allocated` on GPU (pass `memory` for ranks other than this one), absent
 on CPU.
 """
@@ -29,6 +29,7 @@ import schedules
 
 from .execution.program import COMPUTE, SHORT
 from .planning.plan import Plan
+from .execution.profile import from_spans, predicted_step_time
 from .execution.spans import Span, stage_times, timeline
 
 log = logging.getLogger("engine.report")
@@ -108,14 +109,51 @@ def compare(step: Any, spans: Sequence[Span], *, memory: Mapping[int, float] | N
     for r in ranks:
         pred_mem = replayed[r].peak if r < len(replayed) else None
         meas_time, meas_mem = step_time(spans, r), mem.get(r)
+        waited = sum(s.waited for s in spans if s.rank == r and s.kind in COMPUTE)
         rank_rows.append([str(r), _ms(plan.predicted_step_time), _ms(meas_time),
-                          _ratio(meas_time, plan.predicted_step_time),
+                          _ratio(meas_time, plan.predicted_step_time), _ms(waited),
                           _gb(pred_mem), _gb(meas_mem), _ratio(meas_mem, pred_mem)])
     lines = [f"predicted vs measured ({plan.schedule}, {plan.num_stages} stages, {plan.microbatches} microbatches; "
              "ratio = measured / predicted)"]
     lines += _table(header, rows)
-    lines += [""] + _table(["rank", "step pred ms", "step meas ms", "step ratio", "peak pred GB", "peak meas GB",
-                            "peak ratio"], rank_rows)
+    lines += [""] + _table(["rank", "step pred ms", "step meas ms", "step ratio", "waited ms", "peak pred GB",
+                            "peak meas GB", "peak ratio"], rank_rows)
+    return "\n".join(lines)
+
+
+def against_programs(step: Any, spans: Sequence[Span]) -> str | None:
+    """Why a step is slower than its programs simulated: per rank in `spans`, its programs' milliseconds as
+    timed at start-up (`step.profile`, each in turn on its own) and as this step ran them (from when their
+    inputs were there to their end), their ratio, what the rank waited for receives, and its step time;
+    then the plan's schedule simulated with either (`step.predicted_step_time`, and the same with this
+    step's durations). A step that matches the second simulation but not the first ran its programs
+    slower than they were timed; one slower than both waited on something the simulation does not have.
+    None before `profile_programs`.
+
+        rank  start-up ms  in step ms  ratio  waited ms  step ms
+           0        81.30       88.90  1.094       9.20   105.80
+        simulated: from the start-up programs 96.5 ms, from this step's 104.9 ms; measured 105.8 ms
+    """
+    profile = getattr(step, "profile", None)
+    if profile is None:
+        return None
+    programs = step.programs.all()
+    rows = []
+    for r in sorted({s.rank for s in spans}):
+        mine = [s for s in spans if s.rank == r and s.kind in COMPUTE]
+        keys = [(i.stage, i.kind, i.accumulated()) for i in programs[r].instrs if i.kind in COMPUTE]
+        costs = [profile.of(k) for k in keys]
+        start_up = sum(c.seconds for c in costs) if all(c is not None for c in costs) else None
+        in_step = sum(s.busy for s in mine)
+        rows.append([str(r), _ms(start_up), _ms(in_step), f"{in_step / start_up:.3f}" if start_up else "-",
+                     _ms(sum(s.waited for s in mine)), _ms(step_time(spans, r))])
+    ran = predicted_step_time(step.plan, step.table, programs, from_spans(spans, programs))
+    slowest = max((t for t in (step_time(spans, r) for r in {s.rank for s in spans}) if t is not None), default=None)
+    lines = ["the step against its programs (ms; start-up: timed in turn before the first step; in step: this "
+             "step's, from inputs ready to end)"]
+    lines += _table(["rank", "start-up ms", "in step ms", "ratio", "waited ms", "step ms"], rows)
+    lines.append(f"simulated: from the start-up programs {_ms(step.predicted_step_time)} ms, from this step's "
+                 f"{_ms(ran)} ms; measured {_ms(slowest)} ms")
     return "\n".join(lines)
 
 

@@ -161,6 +161,8 @@ class Executor:
             args[pos] = mb[leaf]  # type: ignore[index]
         for pos, ref in call.buffers:
             args[pos] = self.buffer(ref)
+        if self.tracer is not None:
+            self.tracer.ready()
         # Stage inputs and cotangents were traced as contiguous placeholders; a value handed over on the
         # same rank (zbv's turn of the V) or given by the user may not be, and a traced `view` needs it.
         for pos, _ in (*call.batch, *call.buffers):

@@ -151,6 +151,22 @@ def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int
     return f, b, w
 
 
+def from_spans(spans: Sequence[Any], programs: Sequence[Program]) -> Profile:
+    """The programs as a traced step ran them (`Step.traced`'s spans, every rank's or some): per distinct
+    program, the median seconds of its instructions from when their inputs were there to their end
+    (`Span.busy`). What it takes in a step beside the other stage's work, the transfers and the runtime,
+    where `measure` times each program in turn on its own. No bytes."""
+    key_of = {(p.rank, i.stage, i.kind, i.mb): (i.stage, i.kind, i.accumulated())
+              for p in programs for i in p.instrs if i.kind in KIND}
+    seconds: dict[Key, list[float]] = {}
+    for s in spans:
+        key = key_of.get((s.rank, s.stage, s.kind, s.mb))
+        if key is not None:
+            seconds.setdefault(key, []).append(s.busy)
+    return Profile(ProgramCost(*key, seconds=statistics.median(v), peak_bytes=None)
+                   for key, v in sorted(seconds.items()))
+
+
 def measured_scale(plan: Plan, programs: Sequence[Program], profile: Profile) -> MeasuredScale | None:
     """Each stage's measured over planned F, B and W seconds, on its equations (`engine.planning.measured`); a
     stage that runs fused BW gives B and W its BW ratio. None if a program that runs was not measured."""

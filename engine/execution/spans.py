@@ -18,7 +18,8 @@ _BAR_KIND = {**SHORT, "comm": COMM}  # instruction kind -> timeline bar kind; th
 
 @attrs.frozen
 class Span:
-    """One instruction's run on one rank, in seconds from the step's start."""
+    """One instruction's run on one rank, in seconds from the step's start. A compute's `ready` is when its
+    inputs were there (after waiting for the receives it reads); None where not recorded."""
 
     rank: int
     name: str
@@ -27,6 +28,17 @@ class Span:
     mb: int
     start: float
     end: float
+    ready: float | None = None
+
+    @property
+    def busy(self) -> float:
+        """Seconds it ran once its inputs were there (its whole span where `ready` was not recorded)."""
+        return self.end - (self.start if self.ready is None else self.ready)
+
+    @property
+    def waited(self) -> float:
+        """Seconds it waited for its received inputs."""
+        return 0.0 if self.ready is None else self.ready - self.start
 
 
 class Tracer:
@@ -34,8 +46,9 @@ class Tracer:
 
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank, self.cuda = rank, device.type == "cuda"
-        self.marks: list[tuple[Instr, Any, Any]] = []
+        self.marks: list[tuple[Instr, Any, Any, Any]] = []
         self.spans: list[Span] = []
+        self._ready: Any = None
 
     def _now(self) -> Any:
         if self.cuda:
@@ -49,11 +62,17 @@ class Tracer:
         self.origin = self._now()
 
     def around(self, ins: Instr) -> tuple[Any, Any]:
+        self._ready = None
         return ins, self._now()
+
+    def ready(self) -> None:
+        """The open instruction's inputs are there: on GPU, a mark the stream reaches once the receives it
+        waits on have landed; on CPU, after the host has waited for them."""
+        self._ready = self._now()
 
     def close(self, opened: tuple[Any, Any]) -> None:
         ins, start = opened
-        self.marks.append((ins, start, self._now()))
+        self.marks.append((ins, start, self._ready, self._now()))
 
     def end_step(self) -> list[Span]:
         if self.cuda:
@@ -61,7 +80,8 @@ class Tracer:
             rel = lambda e: self.origin.elapsed_time(e) / 1e3  # noqa: E731
         else:
             rel = lambda t: t - self.origin  # noqa: E731
-        self.spans = [Span(self.rank, _label(i), i.kind, i.stage, i.mb, rel(s), rel(e)) for i, s, e in self.marks]
+        self.spans = [Span(self.rank, _label(i), i.kind, i.stage, i.mb, rel(s), rel(e), None if r is None else rel(r))
+                      for i, s, r, e in self.marks]
         return self.spans
 
 
@@ -74,11 +94,12 @@ def _label(ins: Instr) -> str:
 
 
 def stage_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
-    """Median measured seconds per (stage, F/B/W/BW) over microbatches."""
+    """Median measured seconds per (stage, F/B/W/BW) over microbatches, each from when its inputs were there
+    (`Span.busy`: waiting for a receive is not the stage's time)."""
     by: dict[tuple[int, str], list[float]] = {}
     for s in spans:
         if s.kind in COMPUTE:
-            by.setdefault((s.stage, s.kind), []).append(s.end - s.start)
+            by.setdefault((s.stage, s.kind), []).append(s.busy)
     return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
 
 

@@ -5,6 +5,8 @@ import io
 import json
 import logging
 import os
+import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -15,9 +17,11 @@ import torch
 
 from engine import logs, progress, report
 from engine.execution.inprocess import build_steps, run_steps
+from engine.execution.profile import from_spans
+from engine.execution.program import COMPUTE
 from engine.planning.plan import Plan
 from engine.planning.search import plan
-from engine.execution.spans import Span, Tracer, render_spans, save_perfetto, timeline, to_perfetto
+from engine.execution.spans import Span, Tracer, render_spans, save_perfetto, stage_times, timeline, to_perfetto
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,9 +124,13 @@ def test_report_compares_every_stage_and_rank(traced: tuple) -> None:
         assert f_ratio == pytest.approx(f_meas / f_pred, rel=0.02, abs=0.01)
     ranks = [ln.split() for ln in lines[3 + p.num_stages:]]
     assert [r[0] for r in ranks[1:]] == ["0", "1"]
-    assert ranks[1][5] == "1" and ranks[2][5] == "-" and ranks[2][6] == "-"  # memory measured on rank 0 only
-    assert float(ranks[1][4]) == pytest.approx(steps[0].memory()[0].peak / 1e9, rel=0.01)
-    assert float(ranks[1][6]) == pytest.approx(1e9 / steps[0].memory()[0].peak, rel=0.01)
+    assert ranks[0][:10] == ["rank", "step", "pred", "ms", "step", "meas", "ms", "step", "ratio", "waited"]
+    assert ranks[1][6] == "1" and ranks[2][6] == "-" and ranks[2][7] == "-"  # memory measured on rank 0 only
+    assert float(ranks[1][5]) == pytest.approx(steps[0].memory()[0].peak / 1e9, rel=0.01)
+    assert float(ranks[1][7]) == pytest.approx(1e9 / steps[0].memory()[0].peak, rel=0.01)
+    for r in (0, 1):  # what each rank waited for its receives, from its spans
+        waited = sum(sp.waited for sp in spans if sp.rank == r and sp.kind in COMPUTE)
+        assert float(ranks[1 + r][4]) == pytest.approx(waited * 1e3, rel=1e-3, abs=1e-4)
     assert float(ranks[1][2]) > 0 and float(ranks[1][1]) == pytest.approx(p.predicted_step_time * 1e3, rel=1e-3)
 
 
@@ -202,3 +210,64 @@ def test_engine_draws_nothing_itself() -> None:
     for path in (ROOT / "engine").rglob("*.py"):
         text = path.read_text()
         assert "matplotlib" not in text and "traceEvents" not in text and "format_grid" not in text, path
+
+
+def test_compute_spans_say_when_their_inputs_were_there(traced: tuple) -> None:
+    _, spans = traced
+    for sp in spans:
+        if sp.kind in COMPUTE:
+            assert sp.ready is not None and sp.start <= sp.ready <= sp.end
+            assert sp.busy == pytest.approx(sp.end - sp.ready) and sp.waited == pytest.approx(sp.ready - sp.start)
+        else:
+            assert sp.ready is None and sp.busy == pytest.approx(sp.end - sp.start) and sp.waited == 0.0
+    # rank 1's first compute (stage 1's F of microbatch 0) cannot start before rank 0 has sent it stage 0's output
+    first = min((sp for sp in spans if sp.rank == 1 and sp.kind in COMPUTE), key=lambda sp: sp.start)
+    assert (first.stage, first.kind, first.mb) == (1, "forward", 0) and first.waited > 0
+
+
+def test_stage_times_leave_out_the_wait_for_inputs() -> None:
+    spans = [Span(1, "1F0", "forward", 1, 0, 0.0, 5e-3, ready=4e-3), Span(1, "1F1", "forward", 1, 1, 5e-3, 6e-3, 5e-3),
+             Span(1, "1F2", "forward", 1, 2, 6e-3, 8e-3, 6.5e-3), Span(1, "1W0", "backward_weight", 1, 0, 8e-3, 9e-3)]
+    assert stage_times(spans) == {(1, "forward"): pytest.approx(1e-3), (1, "backward_weight"): pytest.approx(1e-3)}
+    tl = timeline(spans)  # the drawn bar still covers the wait
+    assert (tl.bars[0].start, tl.bars[0].end) == (0.0, 5e-3)
+
+
+def test_from_spans_gives_each_program_its_median_in_step_seconds(traced: tuple) -> None:
+    steps, spans = traced
+    programs = steps[0].programs.all()
+    got = from_spans(spans, programs)
+    keys = {(i.stage, i.kind, i.accumulated()) for p in programs for i in p.instrs if i.kind in COMPUTE}
+    assert {c.key for c in got.programs} == keys and all(c.peak_bytes is None for c in got.programs)
+    for c in got.programs:
+        runs = sorted(sp.busy for sp in spans for p in programs for i in p.instrs
+                      if p.rank == sp.rank and (i.stage, i.kind, i.mb) == (sp.stage, sp.kind, sp.mb)
+                      and (i.stage, i.kind, i.accumulated()) == c.key)
+        assert c.seconds == pytest.approx(statistics.median(runs))
+
+
+def test_against_programs_sets_the_step_beside_its_programs(traced: tuple) -> None:
+    steps, spans = traced
+    step = steps[0]
+    assert report.against_programs(step, spans) is None  # before profile_programs
+    programs = step.programs.all()
+    step.profile = from_spans(spans, programs)  # the programs "timed at start-up" as this step ran them
+    try:
+        text = report.against_programs(step, spans)
+    finally:
+        step.profile = None
+    lines = text.splitlines()
+    assert lines[1].split() == ["rank", "start-up", "ms", "in", "step", "ms", "ratio", "waited", "ms", "step", "ms"]
+    for r, line in zip((0, 1), lines[2:4]):
+        cells = line.split()
+        mine = [sp for sp in spans if sp.rank == r and sp.kind in COMPUTE]
+        medians = from_spans(spans, programs)
+        expected = sum(medians.of((i.stage, i.kind, i.accumulated())).seconds
+                       for i in programs[r].instrs if i.kind in COMPUTE)
+        assert int(cells[0]) == r
+        assert float(cells[1]) == pytest.approx(expected * 1e3, rel=1e-3)
+        assert float(cells[2]) == pytest.approx(sum(sp.busy for sp in mine) * 1e3, rel=1e-3)
+        assert float(cells[4]) == pytest.approx(sum(sp.waited for sp in mine) * 1e3, rel=1e-3, abs=1e-4)
+        assert float(cells[5]) == pytest.approx(report.step_time(spans, r) * 1e3, rel=1e-3)
+    sims = [float(x) for x in re.findall(r"([0-9.]+) ms", lines[4])]
+    assert lines[4].startswith("simulated: from the start-up programs") and sims[0] == sims[1] > 0
