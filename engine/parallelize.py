@@ -20,6 +20,7 @@ from .errors import PlanError, RuntimeMismatchError, require_function
 from .execution import launch
 from .execution import rebalance as rebalancing
 from .execution.compilers import resolve, use_cache_dir
+from .execution.profile import faster_of
 from .execution.executor import COMPILERS, Hook, check_compiler
 from .execution.inputs import check_mode
 from .execution.step import Step, connect, microbatch_example
@@ -169,23 +170,31 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
                       workshop=workshop, build=schedule_builder(plan.schedule), **same)
 
-    return _rebalanced(step, replan, started)
+    return _rebalanced(step, replan, started, lambda: step.profile_programs(*example_batch))
 
 
-def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step]) -> Step:
+def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step],
+                remeasure: Callable[[], Any]) -> Step:
     """`step`, or a Step rebuilt on the same layout re-split from its measured programs
-    (engine.execution.rebalance). The ranks confirm they made the same choice before the old step closes; a
-    re-split whose own measured programs predict a slower step than the planner's cuts goes back to them. A
-    plan cache keeps the planner's plan: a re-split plan's stage times carry the measured scale it was made
-    under, so measuring it against them would undo the re-split on the next launch; each launch re-splits
-    from the planner's plan instead (the same cuts for the same measurements; its compiles cached)."""
-    found = rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan)
-    mine = None if found is None else list(found.planned.plan.cuts)
-    chosen = step.transport.all_gather_json(mine)
-    if any(c != mine for c in chosen):
-        raise RuntimeMismatchError(f"rank {step.world.rank}: the ranks re-split differently from the same measured "
-                                   f"programs (cuts per rank: {chosen}); pass rebalance=False and report this")
+    (engine.execution.rebalance). A re-split is made only from times seen twice: where the first measurement
+    proposes one, the programs are measured again and the proposal made again from the faster of the two
+    times of each program (`profile.faster_of`: a program timed slow once, by a hiccup of a shared device,
+    moves nothing; one slow both times does). The ranks confirm they made the same
+    choice before the old step closes; a re-split whose own measured programs predict a slower step than the
+    planner's cuts goes back to them. A plan cache keeps the planner's plan: a re-split plan's stage times
+    carry the measured scale it was made under, so measuring it against them would undo the re-split on the
+    next launch; each launch re-splits from the planner's plan instead (the same cuts for the same
+    measurements; its compiles cached)."""
+    found = _agreed(step, rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan))
     if found is None:
+        return step
+    first, once = found, step.profile
+    remeasure()
+    step.profile = faster_of(once, step.profile)  # every rank merges the same two gathered profiles
+    found = _agreed(step, rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan))
+    if found is None:
+        log.info("rank %d: measured again, the programs propose no re-split (the first measurement alone proposed "
+                 "cuts %s); the planner's cuts stay", step.world.rank, list(first.planned.plan.cuts))
         return step
     step.close()
     rebuilt = started(found.planned, None)
@@ -198,6 +207,16 @@ def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..
                 "the planner's cuts", rebuilt.world.rank, after * 1e3, found.before * 1e3)
     rebuilt.close()
     return started(step.planned, None)
+
+
+def _agreed(step: Step, found: rebalancing.Rebalanced | None) -> rebalancing.Rebalanced | None:
+    """`found`, once every rank is seen to have made the same choice (a collective)."""
+    mine = None if found is None else list(found.planned.plan.cuts)
+    chosen = step.transport.all_gather_json(mine)
+    if any(c != mine for c in chosen):
+        raise RuntimeMismatchError(f"rank {step.world.rank}: the ranks re-split differently from the same measured "
+                                   f"programs (cuts per rank: {chosen}); pass rebalance=False and report this")
+    return found
 
 
 def training_recipe(recipe: Recipe | None, shard_optimizer: bool | str) -> Recipe | None:

@@ -151,6 +151,21 @@ def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int
     return f, b, w
 
 
+def faster_of(a: Profile, b: Profile) -> Profile:
+    """Two measurements of the same programs as one: per program the smaller seconds (a hiccup of a shared
+    device, another process's compile, only ever adds time) and the larger bytes; a program measured in one
+    only is kept as it is."""
+    merged = {p.key: p for p in a.programs}
+    for p in b.programs:
+        q = merged.get(p.key)
+        if q is None:
+            merged[p.key] = p
+            continue
+        peaks = [x for x in (p.peak_bytes, q.peak_bytes) if x is not None]
+        merged[p.key] = attrs.evolve(q, seconds=min(p.seconds, q.seconds), peak_bytes=max(peaks) if peaks else None)
+    return Profile(merged[k] for k in sorted(merged))
+
+
 def from_spans(spans: Sequence[Any], programs: Sequence[Program]) -> Profile:
     """The programs as a traced step ran them (`Step.traced`'s spans, every rank's or some): per distinct
     program, the median seconds of its instructions from when their inputs were there to their end

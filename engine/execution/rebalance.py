@@ -5,8 +5,10 @@ device. Where a compiler changed stages unevenly, the measured step has a slowes
 see. `rebalance` feeds the measured / planned ratio of every stage back into the cost model
 (`engine.planning.measured`), re-splits the same layout (schedule, stages, dp, microbatches) under it, and keeps
 the new split only where it is predicted REBALANCE_GAIN faster than the running step's own prediction from its
-measured programs; the Step is then rebuilt on it (`parallelize(rebalance=...)`). Every rank holds the same
-gathered profile, so every rank makes the same plan (parallelize checks that before it closes the step).
+measured programs; the Step is then rebuilt on it (`parallelize(rebalance=...)`, which asks twice: a proposal
+from the first measurement is made again from the faster of two measurements of each program). Every rank
+holds the same gathered profile, so every rank makes the same plan (parallelize checks that before it closes
+the step).
 """
 from __future__ import annotations
 

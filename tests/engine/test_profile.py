@@ -265,3 +265,17 @@ def test_the_host_clock_times_runs_on_cpu() -> None:
 
     got = in_turn([lambda: time_mod.sleep(0.02), lambda: time_mod.sleep(0.005)], Clock(torch.device("cpu")), 2)
     assert 0.019 < got[0] < 0.05 and 0.004 < got[1] < 0.02
+
+
+def test_faster_of_two_measurements_keeps_each_programs_smaller_seconds_and_larger_bytes() -> None:
+    from engine.execution.profile import faster_of
+
+    a = Profile([ProgramCost(0, "forward", (), 2e-3, 100), ProgramCost(1, "backward", (3,), 5e-3, None),
+                 ProgramCost(2, "forward", (), 1e-3, 7)])
+    b = Profile([ProgramCost(0, "forward", (), 3e-3, 120), ProgramCost(1, "backward", (3,), 4e-3, 50),
+                 ProgramCost(3, "forward", (), 9e-3, 1)])
+    got = faster_of(a, b)
+    assert [(c.key, c.seconds, c.peak_bytes) for c in got.programs] == [
+        ((0, "forward", ()), 2e-3, 120), ((1, "backward", (3,)), 4e-3, 50), ((2, "forward", ()), 1e-3, 7),
+        ((3, "forward", ()), 9e-3, 1)]
+    assert faster_of(b, a) == got
