@@ -120,12 +120,13 @@ def program_compute_ms(step: Any) -> float | None:
 
 def remeasured(step: Any, batch: tuple, world: Any) -> dict[str, float] | None:
     """The stage programs timed again right after the timed steps (a device that has been busy for a while,
-    where `parallelize` timed them on one that had been compiling): each program's seconds now over then,
-    over every rank's programs. The step keeps its first profile."""
+    where `parallelize` timed them on one that had been compiling), in one pass: each program's seconds now
+    over its start-up seconds (the faster of two passes), over every rank's programs. The step keeps its
+    first profile."""
     first = step.profile
     if first is None:
         return None
-    now = step.profile_programs(*batch)
+    now = step.profile_programs(*batch, passes=1)
     step.profile = first
     ratios = [b.seconds / a.seconds for a in first.programs for b in now.programs
               if a.key == b.key and a.seconds > 0]
@@ -182,7 +183,8 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
     stats["prog_compute_ms"] = program_compute_ms(step)
     gathered = step.transport.all_gather_json(stats)
     row = {"label": label, "compiler": compiler, "measured_s": seconds,
-           "predicted_s": step.plan.predicted_step_time, "prog_s": step.predicted_step_time, "build_s": build_s, "ranks": gathered,
+           "predicted_s": step.plan.predicted_step_time, "prog_s": step.predicted_step_time, "build_s": build_s,
+           "ranks": gathered,
            "cuts": list(step.plan.cuts), "remeasured": again, "recompute": [str(r) for r in step.plan.recompute]}
     if world.rank == 0:
         print(step.plan, flush=True)

@@ -170,11 +170,17 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
                       workshop=workshop, build=schedule_builder(plan.schedule), **same)
 
-    return _rebalanced(step, replan, started, lambda: step.profile_programs(*example_batch))
+    def measure_again(s: Step) -> None:
+        """`s`'s programs measured once more, each keeping the faster of its two times (a collective)."""
+        once = s.profile
+        s.profile_programs(*example_batch)
+        s.profile = faster_of(once, s.profile)  # every rank merges the same two gathered profiles
+
+    return _rebalanced(step, replan, started, measure_again)
 
 
 def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step],
-                remeasure: Callable[[], Any]) -> Step:
+                measure_again: Callable[[Step], None]) -> Step:
     """`step`, or a Step rebuilt on the same layout re-split from its measured programs
     (engine.execution.rebalance). A re-split is made only from times seen twice: where the first measurement
     proposes one, the programs are measured again and the proposal made again from the faster of the two
@@ -184,20 +190,29 @@ def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..
     planner's cuts goes back to them. A plan cache keeps the planner's plan: a re-split plan's stage times
     carry the measured scale it was made under, so measuring it against them would undo the re-split on the
     next launch; each launch re-splits from the planner's plan instead (the same cuts for the same
-    measurements; its compiles cached)."""
-    found = _agreed(step, rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan))
-    if found is None:
-        return step
-    first, once = found, step.profile
-    remeasure()
-    step.profile = faster_of(once, step.profile)  # every rank merges the same two gathered profiles
-    found = _agreed(step, rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan))
+    measurements; its compiles cached). The new split's programs are measured as the running step's were
+    (twice) before they are compared. A first measurement that hides an imbalance is not made again: only a
+    proposal is checked, so a hiccup errs towards the planner's cuts. A rank that fails while re-splitting
+    tells the others (`_agreed`), and the running step is closed before the error is raised."""
+    def propose() -> rebalancing.Rebalanced | None:
+        return rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan)
+
+    try:
+        first = _agreed(step, propose)
+        if first is None:
+            return step
+        measure_again(step)
+        found = _agreed(step, propose)
+    except BaseException:
+        step.close()
+        raise
     if found is None:
         log.info("rank %d: measured again, the programs propose no re-split (the first measurement alone proposed "
                  "cuts %s); the planner's cuts stay", step.world.rank, list(first.planned.plan.cuts))
         return step
     step.close()
     rebuilt = started(found.planned, None)
+    measure_again(rebuilt)
     rebuilt.rebalanced = attrs.evolve(found, measured_after=rebuilt.predicted_step_time)
     log.info("rank %d: %s", rebuilt.world.rank, rebuilt.rebalanced)
     after = rebuilt.rebalanced.measured_after  # the same on every rank: from the gathered profile
@@ -209,10 +224,25 @@ def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..
     return started(step.planned, None)
 
 
-def _agreed(step: Step, found: rebalancing.Rebalanced | None) -> rebalancing.Rebalanced | None:
-    """`found`, once every rank is seen to have made the same choice (a collective)."""
+def _agreed(step: Step, propose: Callable[[], rebalancing.Rebalanced | None]) -> rebalancing.Rebalanced | None:
+    """What `propose()` found, once every rank is seen to have made the same choice (a collective). A rank whose
+    proposal raised tells the others first: it raises its own error, every other rank RuntimeMismatchError
+    naming it, rather than waiting out a timeout in the next collective."""
+    error: BaseException | None = None
+    try:
+        found = propose()
+    except Exception as exc:  # noqa: BLE001 -- every rank must hear of it before anyone raises
+        found, error = None, exc
     mine = None if found is None else list(found.planned.plan.cuts)
-    chosen = step.transport.all_gather_json(mine)
+    told = step.transport.all_gather_json([mine, None if error is None else f"{type(error).__name__}: {error}"])
+    if error is not None:
+        raise error
+    failed = [(r, why) for r, (_, why) in enumerate(told) if why]
+    if failed:
+        raise RuntimeMismatchError(f"rank {failed[0][0]} failed while re-splitting from the measured programs "
+                                   f"({failed[0][1]}); its log has the whole error; pass rebalance=False to keep "
+                                   "the planner's cuts")
+    chosen = [cuts for cuts, _ in told]
     if any(c != mine for c in chosen):
         raise RuntimeMismatchError(f"rank {step.world.rank}: the ranks re-split differently from the same measured "
                                    f"programs (cuts per rank: {chosen}); pass rebalance=False and report this")

@@ -12,7 +12,8 @@ Ratios are measured / predicted: above 1 the plan was optimistic. Per stage the 
 recomputation ("no", "cheap": norms and pointwise chains, "full": the forward) and the seconds its programs
 took to compile on this rank ("-": fx programs, or another rank's stage). Times are medians over microbatches of
 one traced step, each from when the instruction's inputs were there (the runtime waits for a receive when
-it first reads the buffer); what each rank waited for its receives is a column of the rank table. Measured
+it first reads the buffer); what each rank's computes waited for their inputs is a column of the rank table
+(a receive first read by something else, a send or the loss sums, is not in it). Measured
 memory is `torch.cuda.max_memory_allocated` on GPU (pass `memory` for ranks other than this one), absent
 on CPU.
 """
@@ -124,7 +125,7 @@ def compare(step: Any, spans: Sequence[Span], *, memory: Mapping[int, float] | N
 def against_programs(step: Any, spans: Sequence[Span]) -> str | None:
     """Why a step is slower than its programs simulated: per rank in `spans`, its programs' milliseconds as
     timed at start-up (`step.profile`, each in turn on its own) and as this step ran them (from when their
-    inputs were there to their end), their ratio, what the rank waited for receives, and its step time;
+    inputs were there to their end), their ratio, what its computes waited for their inputs, and its step time;
     then the plan's schedule simulated with either (`step.predicted_step_time`, and the same with this
     step's durations). A step that matches the second simulation but not the first ran its programs
     slower than they were timed; one slower than both waited on something the simulation does not have.

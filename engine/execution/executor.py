@@ -84,18 +84,18 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def measure(self, stages: Sequence[int], *, batch: dict[int, torch.Tensor] | None = None
+    def measure(self, stages: Sequence[int], *, batch: dict[int, torch.Tensor] | None = None, passes: int = 2
                 ) -> tuple[ProgramCost, ...]:
         """Each local stage program (loaded by `warmup`) timed and its bytes counted on the device
         (`engine.execution.profile.measure`), a stage at a time (one stage's stand-ins are held at once), in
-        two passes over the stages, each program keeping the faster of its two times (`faster_of`): a stage
+        `passes` passes over the stages, each program keeping the fastest of its times (`faster_of`): a stage
         measured while the device or host is still busy with what came before reads slow (4 x H100,
         2026-11-26, GPT zbv after a compiled PyTorch row in the same launch: the first stage measured on
         every rank read 1.25-1.94 x the same programs' times in two other launches, the second stage
         0.97-1.00 x)."""
-        passes = [Profile(cost for runs in self._stand_in_runs(stages, batch) for cost in measure(runs, self.device))
-                  for _ in range(2)]
-        return faster_of(*passes).programs
+        timed = [Profile(cost for runs in self._stand_in_runs(stages, batch) for cost in measure(runs, self.device))
+                 for _ in range(max(1, passes))]
+        return functools.reduce(faster_of, timed).programs
 
     def _stand_in_runs(self, stages: Sequence[int], batch: dict[int, torch.Tensor] | None
                        ) -> Iterator[list[tuple[Key, Callable[[], Any]]]]:

@@ -1,4 +1,4 @@
-"""The stage programs as they run: each one's seconds and the bytes it allocates, measured once at warm-up.
+"""The stage programs as they run: each one's seconds and the bytes it allocates, measured before the first step.
 
 The planner costs a plan from per-op timings, and the memory replay walks the fx program's frees; both miss
 what a compiler does to a whole program (inductor fuses a norm into its matmul's epilogue, keeps a loss's
@@ -7,7 +7,9 @@ rank's programs on the device before the first step (`measure`), the ranks swap 
 and the Step predicts from the programs that will run: `Step.memory()` replays the program with each
 compute's measured bytes in place of fx's, and `Step.predicted_step_time` simulates the plan's own schedule
 with the measured F, B, W (or fused BW) seconds of every stage. Integer inputs of the batch come from the
-example batch (stand-in zeros would send an embedding's whole backward to one row).
+example batch (stand-in zeros would send an embedding's whole backward to one row). Each rank times its
+stages in two passes and keeps each program's faster time (`Executor.measure`, `faster_of`); `from_spans`
+gives the same programs as a traced step ran them, to set beside these (`engine.report.against_programs`).
 """
 from __future__ import annotations
 

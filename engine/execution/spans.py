@@ -1,6 +1,7 @@
 """Execution traces: start and end of every instruction per rank (CUDA events on GPU), as a schedules.Timeline."""
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -67,7 +68,8 @@ class Tracer:
 
     def ready(self) -> None:
         """The open instruction's inputs are there: on GPU, a mark the stream reaches once the receives it
-        waits on have landed; on CPU, after the host has waited for them."""
+        waits on have landed (and the work before it is done: where the host had fallen behind the device,
+        the host's time between the two marks counts as waited too); on CPU, after the host has waited."""
         self._ready = self._now()
 
     def close(self, opened: tuple[Any, Any]) -> None:
@@ -100,7 +102,7 @@ def stage_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
     for s in spans:
         if s.kind in COMPUTE:
             by.setdefault((s.stage, s.kind), []).append(s.busy)
-    return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+    return {k: statistics.median(v) for k, v in by.items()}
 
 
 def timeline(spans: Sequence[Span]) -> schedules.Timeline:

@@ -172,13 +172,14 @@ class Step:
             raise RuntimeMismatchError(f"rank {others[0][0]} failed to load (compile) its stage programs: "
                                        f"{others[0][1]}; its log has the whole error")
 
-    def profile_programs(self, *example_batch: Any) -> Profile:
+    def profile_programs(self, *example_batch: Any, passes: int = 2) -> Profile:
         """Load and measure every stage program of every rank on its device (a collective: every rank calls
         it; `parallelize` does on CUDA): each program's seconds and the bytes it makes, with the example
         batch's first microbatch for the batch operands. The programs are loaded (compiled) first and the
         ranks wait out each other's compiles (`load_programs`), then time theirs, so no rank times its
         programs beside another's compile. Afterwards `memory()` and `predicted_step_time` come from the
-        programs that run (`engine.execution.profile`). It resets the device's peak-memory counter
+        programs that run (`engine.execution.profile`). Each program keeps its fastest time over `passes`
+        passes over the rank's stages (`Executor.measure`). It resets the device's peak-memory counter
         (torch.cuda.reset_peak_memory_stats)."""
         mb = None
         first = split_batch(example_batch, self.plan.microbatches * self.plan.dp)[0] if example_batch else []
@@ -186,7 +187,8 @@ class Step:
             offset = self.graph.num_params
             mb = {offset + j: x.to(self.world.device).contiguous() for j, x in enumerate(first)}
         self.load_programs(mb)
-        self.profile = gather(self.executor.measure(self.local_stages, batch=mb), self.transport.all_gather_json)
+        self.profile = gather(self.executor.measure(self.local_stages, batch=mb, passes=passes),
+                              self.transport.all_gather_json)
         return self.profile
 
     @property

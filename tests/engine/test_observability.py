@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,8 @@ TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
 
 @pytest.fixture(scope="module")
 def traced() -> tuple:
-    """One in-process interleaved-1F1B step, 4 stages on 2 ranks, with every instruction timed."""
+    """One in-process interleaved-1F1B step, 4 stages on 2 ranks, with every instruction timed; rank 0 sleeps
+    LATE seconds before its first compute, so rank 1's first compute waits at least that long for its input."""
     params, batch = init_params(TINY, torch.float32), example_batch(TINY, 8)
     fn = make_loss_fn(TINY)
     p = plan(fn, params, *batch, world_size=2, stages=4, schedule="interleaved-1f1b", microbatches=4, device="cpu")
@@ -102,9 +104,23 @@ def traced() -> tuple:
     run_steps(steps, params, batch)  # warm-up: compile every part
     for s in steps:
         s.executor.tracer = Tracer(s.world.rank, s.world.device)
-    run_steps(steps, params, batch)
+    slept: list[int] = []
+
+    def late(executor, ins):  # type: ignore[no-untyped-def]
+        if ins.kind in COMPUTE and not slept:
+            slept.append(ins.mb)
+            time.sleep(LATE)
+
+    steps[0].executor.hook = late
+    try:
+        run_steps(steps, params, batch)
+    finally:
+        steps[0].executor.hook = None
     spans = [sp for s in steps for sp in s.executor.tracer.spans]
     return steps, spans
+
+
+LATE = 0.2  # seconds
 
 
 def test_report_compares_every_stage_and_rank(traced: tuple) -> None:
@@ -220,9 +236,11 @@ def test_compute_spans_say_when_their_inputs_were_there(traced: tuple) -> None:
             assert sp.busy == pytest.approx(sp.end - sp.ready) and sp.waited == pytest.approx(sp.ready - sp.start)
         else:
             assert sp.ready is None and sp.busy == pytest.approx(sp.end - sp.start) and sp.waited == 0.0
-    # rank 1's first compute (stage 1's F of microbatch 0) cannot start before rank 0 has sent it stage 0's output
+    # rank 1's first compute (stage 1's F of microbatch 0) waits for stage 0's output, which rank 0 made after a
+    # LATE-second sleep; the wait is its `waited`, not its busy time
     first = min((sp for sp in spans if sp.rank == 1 and sp.kind in COMPUTE), key=lambda sp: sp.start)
-    assert (first.stage, first.kind, first.mb) == (1, "forward", 0) and first.waited > 0
+    assert (first.stage, first.kind, first.mb) == (1, "forward", 0)
+    assert first.waited >= 0.5 * LATE and first.busy < first.waited
 
 
 def test_stage_times_leave_out_the_wait_for_inputs() -> None:

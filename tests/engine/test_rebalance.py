@@ -144,13 +144,14 @@ def test_a_range_takes_its_equations_ratios_weighted_by_their_forward_times() ->
 
 @pytest.mark.mpi
 def test_parallelize_rebalances_under_mpirun_and_the_new_split_equals_func_grad(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Two ranks, every schedule family: the last stage measured 3 x slow (seconds from each program's
-    equation count, not the clock) makes parallelize(rebalance=True)
-    re-split before the first step; both ranks move to the same cuts, and loss and every grad leaf equal
-    torch.func.grad's in float64, for our test model and transformers' Llama. A re-split whose own programs
-    measure slower goes back to the planner's cuts; a stage measured 3 x slow once and at its clock's seconds
-    when measured again ends on the cuts of a launch without the hiccup. With plan_cache the entry keeps the planner's plan and a second launch re-splits from
-    it to the same cuts (the test's measurements are deterministic)."""
+    """Two ranks, every schedule family: the last stage measured 3 x slow (seconds from each program's equation count,
+    not the clock) makes parallelize(rebalance=True) re-split before the first step; both ranks move to the same
+    cuts, and loss and every grad leaf equal torch.func.grad's in float64, for our test model and transformers'
+    Llama. A re-split whose own programs measure slower goes back to the planner's cuts; a stage measured 3 x
+    slow once and at its clock's seconds when measured again ends on the cuts of a launch without the hiccup; a
+    rank whose re-split raises tells the other before either raises. With plan_cache the entry keeps the
+    planner's plan and a second launch re-splits from it to the same cuts (the test's measurements are
+    deterministic)."""
     import re
     import sys
 
@@ -159,7 +160,8 @@ def test_parallelize_rebalances_under_mpirun_and_the_new_split_equals_func_grad(
     out = launch([str(BIN / "mpirun"), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
                   "tests/mpi/rebalance.py"], timeout=300, env=dict(job_env(), FNPIPE_TEST_PLAN_CACHE=str(tmp_path)))
     rows = re.findall(r"^(OK|FAIL) rank (\d) (\S+) cuts (.*) -> (.*) max rel err (\S+)$", out, flags=re.M)
-    assert len(rows) == 16 and all(r[0] == "OK" for r in rows), out
+    assert len(rows) == 18 and all(r[0] == "OK" for r in rows), out
+    assert sum(r[2] == "failing" for r in rows) == 2, out  # a failing re-split: each rank raised what it should
     for name in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b", "transformers-llama", "reverted", "noisy",
                  "plan_cache"):
         mine = {(before, after) for _, _, n, before, after, _ in rows if n == name}

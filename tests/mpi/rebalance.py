@@ -82,8 +82,8 @@ def transformers_llama(rank: int) -> str:
 
 def reverted(rank: int) -> str:
     """A re-split whose own programs then measure slower (every program 10 x from the third profile on: the
-    first two are the running step's, measured and measured again) goes back to the planner's cuts, with loss
-    and grads still those of torch.func.grad."""
+    first two are the running step's, measured and measured again; the new split's are measured twice too)
+    goes back to the planner's cuts, measured once more, with loss and grads still those of torch.func.grad."""
     params = models.init_params(dtype=torch.float64, layers=8, width=16)
     batch = models.batch(size=16)
     ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
@@ -104,15 +104,15 @@ def reverted(rank: int) -> str:
     errs = [rel_err(loss.cpu(), ref_loss)]
     errs += [rel_err(g.cpu(), r) for g, r in zip(pytree.tree_leaves(grads, is_leaf=lambda x: x is None),
                                                   pytree.tree_leaves(ref)) if g is not None]
-    ok = moved is None and len(profiles) == 4 and max(errs) <= RTOL
+    ok = moved is None and len(profiles) == 5 and max(errs) <= RTOL
     return f"{'OK' if ok else 'FAIL'} rank {rank} reverted cuts {cuts} -> {cuts} max rel err {max(errs):.2e}"
 
 
 def noisy(rank: int) -> str:
     """A stage measured 3 x slow once (a hiccup of a shared device), in the first measurement or in the one
     made again, does not drive the split: each launch ends on the cuts of a launch measured without the
-    hiccup (not the cuts the 3 x stage moves to when measured so both times), the first one's programs
-    measured three times (twice before the re-split, once after), and it equals torch.func.grad."""
+    hiccup (not the cuts the 3 x stage moves to when measured so both times), its programs measured four
+    times where it re-splits (twice before, twice after), and it equals torch.func.grad."""
     params = models.init_params(dtype=torch.float64, layers=8, width=16)
     batch = models.batch(size=16)
     ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
@@ -135,15 +135,17 @@ def noisy(rank: int) -> str:
     with engine.parallelize(models.loss_fn, params, *batch, **opts) as step:
         cuts, moved = list(step.plan.cuts), step.rebalanced
         loss, grads = step(step.shard(params), *batch)
-    measured = seen["measured"]
+    measured = [seen["measured"]]
     seen.update(measured=0, hiccup_at=2)
     with engine.parallelize(models.loss_fn, params, *batch, **opts) as step:
-        later = list(step.plan.cuts)
+        later, moved_later = list(step.plan.cuts), step.rebalanced
+    measured.append(seen["measured"])
     executor.Executor.measure = slow_last
     errs = [rel_err(loss.cpu(), ref_loss)]
     errs += [rel_err(g.cpu(), r) for g, r in zip(pytree.tree_leaves(grads, is_leaf=lambda x: x is None),
                                                   pytree.tree_leaves(ref)) if g is not None]
-    ok = cuts == later == steady != hiccup and measured == (3 if moved else 2) and max(errs) <= RTOL
+    ok = (cuts == later == steady != hiccup and measured == [4 if moved else 2, 4 if moved_later else 2]
+          and max(errs) <= RTOL)
     before = None if moved is None else list(moved.cuts_before)
     return f"{'OK' if ok else 'FAIL'} rank {rank} noisy cuts {before} -> {cuts} max rel err {max(errs):.2e}"
 
@@ -172,6 +174,45 @@ def cached(rank: int) -> str:
     return f"{'OK' if ok else 'FAIL'} rank {rank} plan_cache cuts {before} -> {first} max rel err 0"
 
 
+def failing(rank: int) -> str:
+    """A rank whose re-split raises (here rank 1's search, with an error the re-split does not expect) tells
+    the other before either raises: rank 1 raises its own error, rank 0 RuntimeMismatchError naming rank 1,
+    both at once rather than after a collective's timeout."""
+    import importlib
+    import time
+
+    params = models.init_params(dtype=torch.float64, layers=8, width=16)
+    batch = models.batch(size=16)
+    module = importlib.import_module("engine.parallelize")
+    real_search = module.search
+    calls = []
+
+    def search(*args, **kw):  # type: ignore[no-untyped-def]
+        if kw.get("measured") is not None and rank == 1:
+            raise ValueError("a search that breaks on rank 1")
+        calls.append(1)
+        return real_search(*args, **kw)
+
+    STATE["last"] = 1
+    executor.Executor.measure = slow_last
+    module.search = search
+    start = time.monotonic()
+    try:
+        with engine.parallelize(models.loss_fn, params, *batch, schedule="1f1b", stages=2, microbatches=4,
+                                rebalance=True, timeout=60):
+            got = "no error"
+    except engine.RuntimeMismatchError as exc:
+        got = "mismatch naming rank 1" if "rank 1 failed while re-splitting" in str(exc) else f"mismatch: {exc}"
+    except ValueError as exc:
+        got = f"own error: {exc}"
+    finally:
+        module.search = real_search
+    waited = time.monotonic() - start
+    want = "own error: a search that breaks on rank 1" if rank == 1 else "mismatch naming rank 1"
+    ok = got == want and waited < 30
+    return f"{'OK' if ok else 'FAIL'} rank {rank} failing cuts [{got}] -> [{waited:.1f} s] max rel err 0"
+
+
 def main() -> int:
     executor.Executor.measure = slow_last
     world = engine.init()
@@ -180,6 +221,7 @@ def main() -> int:
     lines.append(reverted(world.rank))
     lines.append(noisy(world.rank))
     lines.append(cached(world.rank))
+    lines.append(failing(world.rank))  # last: the ranks part on an error
     for line in lines:
         print(line, flush=True)
     return 1 if any(line.startswith("FAIL") for line in lines) else 0
