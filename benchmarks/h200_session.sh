@@ -13,12 +13,15 @@
 #   bash benchmarks/h200_session.sh four      # 4 GPUs: depth 4, both families, every schedule; the model on one GPU
 #   bash benchmarks/h200_session.sh fourdp    # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2
 #   bash benchmarks/h200_session.sh fourall   # 4 GPUs: depth 4 and DP2 x PP2, fnpipe's default only, in one command
+#   bash benchmarks/h200_session.sh fourwhy   # 4 GPUs: where zbv's step goes at depth 4 (diagnose_p2 with
+#                                             # report.against_programs and the programs re-timed after the
+#                                             # steps), then the depth-4 zbv table with the model on one GPU
 #   bash benchmarks/h200_session.sh schedlib  # 2 GPUs: the schedule library beside PyTorch's same-named schedules,
 #                                             # schedule="auto", and the dualpipev overlap trace (4 GPUs: P=4 too)
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourdp|fourall|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourwhy|fourdp|fourall|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -71,6 +74,14 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       bench 230 4 29517 --budget 210 --families "$families" --dp 2 --calibrate "$cal" --schedules 1f1b --compilers auto \
         --torch-eager "" --torch-compiled 1f1b --torch-risky "" --one-gpu-layers 0 --out-dir "$out/dp2"
       ;;
+    fourwhy)  # 4 GPUs: why the zbv step runs over its programs' simulation (session 11: the programs themselves
+              # run 1.10-1.15 x slower inside the step), then the issue's depth-4 zbv table, calibrated
+      mkdir -p "$out/why" "$out/p4"
+      OUT="$out/why" timeout 200 torchrun --nproc_per_node 4 --master-port 29518 benchmarks/diagnose_p2.py \
+        --families "$families" --compilers auto --schedule zbv --timeout 240 --remeasure
+      bench 360 4 29519 --budget 340 --families "$families" --calibrate "$cal" --one-gpu-layers 16 --compilers auto \
+        --schedules zbv --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 --out-dir "$out/p4"
+      ;;
     fourdp)  # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2 (the DP all-reduce buffers in the memory model)
       timeout 100 mpirun --allow-run-as-root -n 4 python3 tests/mpi/equivalence.py > "$out/equivalence.txt" 2>&1
       echo "equivalence over NCCL, 4 ranks: exit $?, $(grep -c '^OK' "$out/equivalence.txt") OK lines"; tail -n 2 "$out/equivalence.txt"
@@ -87,7 +98,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
         --risky-timeout 60 --out-dir "$out/schedlib"
       OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
       ;;
-    *) echo "unknown part $part (two, one, profile, examples, four, fourdp, fourall or schedlib)"; exit 2 ;;
+    *) echo "unknown part $part (two, one, profile, examples, four, fourwhy, fourdp, fourall or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"
