@@ -142,6 +142,8 @@ class Bench:
 
 
 # -- the runs ------------------------------------------------------------------------------------------------
+REBALANCE = {"": "auto", "fixed": False, "step": "step"}  # a compiler's suffix -> parallelize(rebalance=...)
+
 def run_torch(b: Bench, schedule: str, *, compiled: bool) -> None:
     b.log(f"torch.distributed.pipelining {schedule}{' compiled blocks' if compiled else ''}: building")
     residue = b.residue()
@@ -226,7 +228,7 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
         name, _, mode = compiler.partition("-")  # "auto-fixed": compiler auto, the planner's split kept (no rebalance)
         step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
                                   timeout=b.args.timeout, calibrate=calibration_path(b), compiler=name,
-                                  rebalance=mode != "fixed" and "auto", **layout)
+                                  rebalance=REBALANCE[mode], **layout)
     if step.profile is None:  # parallelize measures the programs on CUDA; the CPU smoke test does it here
         step.profile_programs(b.tokens, b.targets)
     build_s = time.perf_counter() - t
@@ -377,7 +379,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--schedules", default="1f1b,zb-h1,interleaved-1f1b,zbv", help="fnpipe schedules")
     ap.add_argument("--compilers", default="auto,fx", help="fnpipe compilers: auto (inductor on CUDA), fx, inductor; "
-                    "with -fixed (auto-fixed): the planner's split kept, parallelize(rebalance=False)")
+                    "with -fixed (auto-fixed): the planner's split kept, parallelize(rebalance=False); with -step "
+                    "(auto-step): re-split from the programs' times inside traced steps, rebalance=\"step\"")
     ap.add_argument("--torch-eager", default="1f1b", help="PyTorch schedules with eager blocks")
     ap.add_argument("--torch-compiled", default="1f1b,gpipe,interleaved-1f1b",
                     help="PyTorch schedules with each block torch.compile'd (run in each family's part)")

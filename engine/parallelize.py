@@ -126,7 +126,9 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     measured (on CUDA, before the first step), re-split the same layout with each stage's measured / planned
     seconds in the cost model and rebuild the step on the new cuts where that is predicted 3 % faster
     (engine.execution.rebalance; `step.rebalanced` says what moved); "auto" (the default) where programs are
-    measured, True also on CPU (it measures them there), False never. `timeout` (positive seconds) bounds every
+    measured, True also on CPU (it measures them there), False never; "step" takes each stage's seconds from
+    traced steps on the example batch instead (what its programs take beside the others' work and the
+    transfers) and keeps the new split only if its own traced steps run faster. `timeout` (positive seconds) bounds every
     wait; the step holds
     process groups until `step.close()` (or the end of `with engine.parallelize(...) as step:`).
     `shard_optimizer` (ZeRO-1: True, False, or "auto": where a layout fits only so) splits the optimizer
@@ -156,7 +158,7 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         step = Step(found, world, connect(world, found, timeout), hook=hook, compiler=compiler,
                     check_inputs=check_inputs)
         step.forward = getattr(loss_fn, "forward", None)  # engine.functionalize's eval-mode forward (step.evaluate)
-        return _checked(step, entry, example_batch, measure=rebalance is True)
+        return _checked(step, entry, example_batch, measure=rebalance in (True, "step"))
 
     step = started(planned.planned, planned.entry)
     if rebalance is False or step.profile is None or cuts is not None:
@@ -176,7 +178,42 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         s.profile_programs(*example_batch)
         s.profile = faster_of(once, s.profile)  # every rank merges the same two gathered profiles
 
+    if rebalance == "step":
+        return _rebalanced_in_steps(step, replan, started,
+                                    lambda s: rebalancing.in_steps(s, params, example_batch))
     return _rebalanced(step, replan, started, measure_again)
+
+
+def _rebalanced_in_steps(step: Step, replan: Callable[..., Planned], started: Callable[..., Step],
+                         in_steps: Callable[[Step], tuple[Any, float]]) -> Step:
+    """`parallelize(rebalance="step")`: `step`, or a Step rebuilt on the same layout re-split from what its
+    programs take inside traced steps (`rebalance.in_steps`); the new split is kept only where its own traced
+    steps run faster than the running step's, else the planner's cuts are started again (their compiles cached).
+    Every rank decides from the same gathered spans; a rank that fails while re-splitting tells the others."""
+    try:
+        profile, before = in_steps(step)
+        found = _agreed(step, lambda: rebalancing.rebalance(step.planned, step.programs.all(), profile, replan))
+    except BaseException:
+        step.close()
+        raise
+    if found is None:
+        log.info("rank %d: the programs inside steps propose no re-split; the planner's cuts stay", step.world.rank)
+        return step
+    step.close()
+    rebuilt = started(found.planned, None)
+    try:
+        _, after = in_steps(rebuilt)
+    except BaseException:
+        rebuilt.close()
+        raise
+    rebuilt.rebalanced = attrs.evolve(found, stepped=(before, after))
+    if after < before:
+        log.info("rank %d: %s", rebuilt.world.rank, rebuilt.rebalanced)
+        return rebuilt
+    log.warning("rank %d: the re-split's traced steps took %.2f ms, the planner's cuts' %.2f ms: back to the "
+                "planner's cuts", rebuilt.world.rank, after * 1e3, before * 1e3)
+    rebuilt.close()
+    return started(step.planned, None)
 
 
 def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..., Step],
@@ -302,9 +339,10 @@ def _check_options(compiler: str, check_inputs: str, rebalance: Any = "auto") ->
         raise PlanError(str(err)) from err
     check_mode(check_inputs)
     compile_wait(0.0)
-    if not (isinstance(rebalance, bool) or rebalance == "auto"):
+    if not (isinstance(rebalance, bool) or rebalance in ("auto", "step")):
         raise PlanError(f"rebalance={rebalance!r}: give True (re-split from the measured stage programs, on CPU too), "
-                        "False (never), or \"auto\" (where the programs are measured: CUDA)")
+                        "False (never), \"auto\" (where the programs are measured: CUDA) or \"step\" (re-split "
+                        "from the programs' times inside traced steps)")
 
 
 @attrs.frozen

@@ -20,6 +20,7 @@ on CPU.
 from __future__ import annotations
 
 import logging
+import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -129,10 +130,12 @@ def against_programs(step: Any, spans: Sequence[Span]) -> str | None:
     then the plan's schedule simulated with either (`step.predicted_step_time`, and the same with this
     step's durations). A step that matches the second simulation but not the first ran its programs
     slower than they were timed; one slower than both waited on something the simulation does not have.
+    On GPU, the host's lead: how long each program still ran after the host had issued it (`Span.lead`),
+    the least and the median; near zero, the device waited on the host.
     None before `profile_programs`.
 
-        rank  start-up ms  in step ms  ratio  waited ms  step ms
-           0        81.30       88.90  1.094       9.20   105.80
+        rank  start-up ms  in step ms  ratio  waited ms  step ms  host lead ms min / median
+           0        81.30       88.90  1.094       9.20   105.80  4.81 / 12.30
         simulated: from the start-up programs 96.5 ms, from this step's 104.9 ms; measured 105.8 ms
     """
     profile = getattr(step, "profile", None)
@@ -146,13 +149,16 @@ def against_programs(step: Any, spans: Sequence[Span]) -> str | None:
         costs = [profile.of(k) for k in keys]
         start_up = sum(c.seconds for c in costs) if all(c is not None for c in costs) else None
         in_step = sum(s.busy for s in mine)
+        leads = sorted(s.lead for s in mine if s.lead is not None)
         rows.append([str(r), _ms(start_up), _ms(in_step), f"{in_step / start_up:.3f}" if start_up else "-",
-                     _ms(sum(s.waited for s in mine)), _ms(step_time(spans, r))])
+                     _ms(sum(s.waited for s in mine)), _ms(step_time(spans, r)),
+                     f"{_ms(leads[0])} / {_ms(statistics.median(leads))}" if leads else "-"])
     ran = predicted_step_time(step.plan, step.table, programs, from_spans(spans, programs))
     slowest = max((t for t in (step_time(spans, r) for r in {s.rank for s in spans}) if t is not None), default=None)
     lines = ["the step against its programs (ms; start-up: timed in turn before the first step; in step: this "
              "step's, from inputs ready to end)"]
-    lines += _table(["rank", "start-up ms", "in step ms", "ratio", "waited ms", "step ms"], rows)
+    lines += _table(["rank", "start-up ms", "in step ms", "ratio", "waited ms", "step ms", "host lead ms min / median"],
+                    rows)
     lines.append(f"simulated: from the start-up programs {_ms(step.predicted_step_time)} ms, from this step's "
                  f"{_ms(ran)} ms; measured {_ms(slowest)} ms")
     return "\n".join(lines)

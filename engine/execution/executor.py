@@ -207,11 +207,12 @@ class Executor:
                 ops += [("send", c.peer, t) for t in sent]
                 waits += [None] * len(sent)
                 continue
-            bufs, views = lay.receive(self.device)
+            with self.transport.receiving(c.peer):  # gated receives take buffers from their own pool
+                bufs, views = lay.receive(self.device)
             self.bufs.update(zip(c.bufs, views))
             ops += [("recv", c.peer, t) for t in bufs]
             waits += [tuple(c.bufs[k] for k in m.members) for m in lay.messages]
-        for (op, _, t), h, refs in zip(ops, self.transport.post(ops), waits):
+        for (op, _, t), h, refs in zip(ops, self.transport.post(ops, pooled=True), waits):
             if refs is None:
                 self.sends.append((h, t))
                 continue

@@ -20,7 +20,9 @@ _BAR_KIND = {**SHORT, "comm": COMM}  # instruction kind -> timeline bar kind; th
 @attrs.frozen
 class Span:
     """One instruction's run on one rank, in seconds from the step's start. A compute's `ready` is when its
-    inputs were there (after waiting for the receives it reads); None where not recorded."""
+    inputs were there (after waiting for the receives it reads); `issued`, on GPU, when the host had handed the
+    device its last operation, on the host's clock from the step's start (the device's and the host's step
+    starts are the same moment to within a launch: the device is idle then); None where not recorded."""
 
     rank: int
     name: str
@@ -30,6 +32,13 @@ class Span:
     start: float
     end: float
     ready: float | None = None
+    issued: float | None = None
+
+    @property
+    def lead(self) -> float | None:
+        """Seconds the device still ran it after the host had issued all of it: near zero, the device waited on
+        the host (a host-bound program); None where `issued` was not recorded."""
+        return None if self.issued is None else self.end - self.issued
 
     @property
     def busy(self) -> float:
@@ -61,6 +70,7 @@ class Tracer:
     def begin_step(self) -> None:
         self.marks = []
         self.origin = self._now()
+        self.host_origin = time.perf_counter()
 
     def around(self, ins: Instr) -> tuple[Any, Any]:
         self._ready = None
@@ -74,7 +84,7 @@ class Tracer:
 
     def close(self, opened: tuple[Any, Any]) -> None:
         ins, start = opened
-        self.marks.append((ins, start, self._ready, self._now()))
+        self.marks.append((ins, start, self._ready, self._now(), time.perf_counter() - self.host_origin))
 
     def end_step(self) -> list[Span]:
         if self.cuda:
@@ -82,8 +92,8 @@ class Tracer:
             rel = lambda e: self.origin.elapsed_time(e) / 1e3  # noqa: E731
         else:
             rel = lambda t: t - self.origin  # noqa: E731
-        self.spans = [Span(self.rank, _label(i), i.kind, i.stage, i.mb, rel(s), rel(e), None if r is None else rel(r))
-                      for i, s, r, e in self.marks]
+        self.spans = [Span(self.rank, _label(i), i.kind, i.stage, i.mb, rel(s), rel(e), None if r is None else rel(r),
+                           h if self.cuda else None) for i, s, r, e, h in self.marks]
         return self.spans
 
 

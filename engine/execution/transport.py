@@ -7,13 +7,17 @@ group of world ranks. Every wait is bounded, so a dead or hung peer becomes an e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import functools
 import logging
 import json
 import sys
 import threading
 import os
+import socket
 import time
+import uuid
 import weakref
 from typing import Any, Protocol, Sequence
 
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError, PlanError
+from . import gates as gating
 
 log = logging.getLogger("engine.launch")
 _OPEN: "weakref.WeakSet[DistTransport]" = weakref.WeakSet()  # what close_all closes at exit
@@ -30,7 +35,8 @@ class Transport(Protocol):
     rank: int
     world_size: int
 
-    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]: ...
+    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]], *, pooled: bool = False) -> list[Any]: ...
+    def receiving(self, peer: int) -> contextlib.AbstractContextManager[None]: ...
     def wait(self, handle: Any, what: str) -> None: ...
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
     def all_gather_json(self, obj: Any) -> list[Any]: ...
@@ -72,7 +78,9 @@ class DistTransport:
     carries only a -> b messages. On NCCL every communicator has its own stream, so a channel is a FIFO:
     a send never blocks compute or the opposite direction, and no grouping of sends and receives
     (whose asymmetric batching NCCL may hang on) is needed. Channels connect at start-up, in one
-    global order, so their lazy rendezvous cannot interleave with a step.
+    global order, so their lazy rendezvous cannot interleave with a step. On NCCL, a channel within
+    one host is then gated (`gates`): its receives reach the GPU only when their data is ready.
+    Receive buffers for `post(..., pooled=True)` are made inside `receiving(peer)`.
     """
 
     def __init__(self, timeout: float, groups: Sequence[tuple[int, ...]] = (),
@@ -95,7 +103,9 @@ class DistTransport:
             self.channels[(a, b)] = dist.new_group(sorted((a, b)), timeout=td)
         self.device = device if device is not None and self.nccl else torch.device("cpu")
         _OPEN.add(self)
+        self.gates: gating.Gates | None = None
         self._connect(self.device)
+        self.gates = self._open_gates()
 
     def _connect(self, device: torch.device) -> None:
         """One small message down every channel this rank is on, in the same order on all ranks."""
@@ -106,15 +116,69 @@ class DistTransport:
             elif self.rank == b:
                 self.wait(self.post([("recv", a, probe)])[0], f"connecting to rank {a}")
 
-    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]:
+    def _open_gates(self, driver: gating.Driver | None = None) -> gating.Gates | None:
+        """Gate the channels whose two ends share a host and both ask for it (`gates.wanted`, NCCL on CUDA).
+        Collective: three small all-gathers (who asks, flag pages made, pages mapped), and if any rank of a
+        gated channel fails a step of it, no channel is gated anywhere (a warning says why)."""
+        asks = self.nccl and self.device.type == "cuda" and gating.wanted()
+        everyone = self.all_gather_json({"host": socket.gethostname(), "asks": asks, "token": uuid.uuid4().hex})
+
+        def gated(a: int, b: int) -> bool:
+            return everyone[a]["asks"] and everyone[b]["asks"] and everyone[a]["host"] == everyone[b]["host"]
+
+        pairs = [(a, b) for a, b in sorted(self.channels) if gated(a, b)]
+        if not pairs:
+            return None
+        paths = {r: f"/dev/shm/fnpipe-gates-{everyone[0]['token']}-{r}" for r in sorted({r for p in pairs for r in p})}
+        mine = paths.get(self.rank)
+        try:
+            if self._gate_step(lambda: gating.Flags(mine, self.world_size, create=True) if mine else None,
+                               "making its flag page") is None:
+                return None
+            out = self._gate_step(lambda: gating.Gates(
+                self.rank, paths, [a for a, b in pairs if b == self.rank], [b for a, b in pairs if a == self.rank],
+                self.device, driver or gating.CudaDriver()) if mine else None, "mapping the flag pages")
+        finally:
+            if mine and os.path.exists(mine):
+                os.unlink(mine)  # every rank has mapped it (or given up): the name is not needed
+        if not isinstance(out, gating.Gates):
+            return None
+        log.info("rank %d: gated receives from ranks %s", self.rank, list(out.incoming))
+        return out
+
+    def _gate_step(self, make: Any, what: str) -> Any:
+        """`make()` on every rank, then whether all succeeded; a rank's failure turns gating off everywhere."""
+        try:
+            made, error = make(), None
+        except (OSError, RuntimeError) as exc:
+            made, error = None, f"rank {self.rank}: {what}: {exc}"
+        errors = [e for e in self.all_gather_json(error) if e]
+        if errors:
+            log.warning("receives are not gated (each waits on the GPU for its sender): %s", "; ".join(errors))
+            if isinstance(made, gating.Gates):
+                made.release()
+            return None
+        return made if made is not None else True
+
+    def receiving(self, peer: int) -> contextlib.AbstractContextManager[None]:
+        """Where buffers for receives from `peer` are made (`post(..., pooled=True)`): its gate's stream."""
+        return self.gates.receiving(peer) if self.gates is not None and peer in self.gates.received \
+            else contextlib.nullcontext()
+
+    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]], *, pooled: bool = False) -> list[Any]:
         works = []
+        gates = self.gates
         for op, peer, t in ops:
             where = f"{op} {'to' if op == 'send' else 'from'} rank {peer}"
             try:  # gloo raises here at once when the peer's socket is already gone
                 if op == "send":
                     work = dist.isend(t, peer, group=self.channels[(self.rank, peer)])
+                    if gates is not None and peer in gates.sent:
+                        gates.sent_one(peer)
                 else:
-                    work = dist.irecv(t, peer, group=self.channels[(peer, self.rank)])
+                    receive = functools.partial(dist.irecv, t, peer, group=self.channels[(peer, self.rank)])
+                    gated = gates is not None and peer in gates.received
+                    work = gates.receive(peer, t, receive, pooled=pooled) if gated else receive()
             except RuntimeError as exc:
                 raise self._failure(where, exc, (peer,)) from exc
             works.append(_DistWork(work, where, (peer,)))
@@ -182,6 +246,8 @@ class DistTransport:
     def close(self) -> None:
         """Destroy the groups this transport made (its channels' and sums'); the world's stays. Dropping
         them joins their gloo worker threads (destroy_process_group alone leaves them running)."""
+        if self.gates is not None:
+            self.gates.release()
         for group in [*self.channels.values(), *self.groups.values(), *([self.patient] if self.patient else [])]:
             try:
                 dist.destroy_process_group(group)
@@ -399,8 +465,11 @@ class LocalTransport:
         self.hub, self.rank, self.world_size = hub, rank, hub.world_size
         self.seq: dict[tuple[int, ...], int] = {}
 
-    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]]) -> list[Any]:
+    def post(self, ops: Sequence[tuple[str, int, torch.Tensor]], *, pooled: bool = False) -> list[Any]:
         return [self.hub.post(self.rank, op, peer, t) for op, peer, t in ops]
+
+    def receiving(self, peer: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def wait(self, handle: Any, what: str) -> None:
         self.hub.block(self.rank, f"{handle.what} ({what})", lambda: handle.done)

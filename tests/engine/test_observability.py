@@ -264,6 +264,13 @@ def test_from_spans_gives_each_program_its_median_in_step_seconds(traced: tuple)
         assert c.seconds == pytest.approx(statistics.median(runs))
 
 
+def test_lead_is_what_the_device_ran_after_the_host_issued_it() -> None:
+    a = Span(0, "F0", "forward", 0, 0, 0.010, 0.050, 0.012, issued=0.020)
+    b = Span(0, "F1", "forward", 0, 1, 0.050, 0.0505, 0.050, issued=0.0504)
+    assert a.lead == pytest.approx(0.030) and b.lead == pytest.approx(0.0001)
+    assert Span(0, "F0", "forward", 0, 0, 0.0, 1.0).lead is None
+
+
 def test_against_programs_sets_the_step_beside_its_programs(traced: tuple) -> None:
     steps, spans = traced
     step = steps[0]
@@ -275,7 +282,8 @@ def test_against_programs_sets_the_step_beside_its_programs(traced: tuple) -> No
     finally:
         step.profile = None
     lines = text.splitlines()
-    assert lines[1].split() == ["rank", "start-up", "ms", "in", "step", "ms", "ratio", "waited", "ms", "step", "ms"]
+    assert lines[1].split() == ["rank", "start-up", "ms", "in", "step", "ms", "ratio", "waited", "ms", "step", "ms",
+                                "host", "lead", "ms", "min", "/", "median"]
     for r, line in zip((0, 1), lines[2:4]):
         cells = line.split()
         mine = [sp for sp in spans if sp.rank == r and sp.kind in COMPUTE]
@@ -287,5 +295,6 @@ def test_against_programs_sets_the_step_beside_its_programs(traced: tuple) -> No
         assert float(cells[2]) == pytest.approx(sum(sp.busy for sp in mine) * 1e3, rel=1e-3)
         assert float(cells[4]) == pytest.approx(sum(sp.waited for sp in mine) * 1e3, rel=1e-3, abs=1e-4)
         assert float(cells[5]) == pytest.approx(report.step_time(spans, r) * 1e3, rel=1e-3)
+        assert cells[6] == "-"  # on CPU the host is the device: no lead recorded
     sims = [float(x) for x in re.findall(r"([0-9.]+) ms", lines[4])]
     assert lines[4].startswith("simulated: from the start-up programs") and sims[0] == sims[1] > 0

@@ -213,6 +213,54 @@ def failing(rank: int) -> str:
     return f"{'OK' if ok else 'FAIL'} rank {rank} failing cuts [{got}] -> [{waited:.1f} s] max rel err 0"
 
 
+def in_steps_case(rank: int, *, slower_after: bool) -> str:
+    """rebalance="step": the programs' seconds from traced steps (the steps run and are traced; their seconds
+    are replaced by deterministic ones, 0.1 ms an equation and the last stage 3 x, as for the measured
+    programs above), and each split's step time that schedule simulated under them. The re-split is kept
+    where its steps run faster, with loss and grads those of torch.func.grad; with the new split's traced
+    steps made 10 x slower (`slower_after`), the planner's cuts are started again."""
+    from engine.execution import profile as profiles
+    from engine.execution import rebalance as rebalancing
+
+    params = models.init_params(dtype=torch.float64, layers=8, width=16)
+    batch = models.batch(size=16)
+    ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
+    real = rebalancing.in_steps
+    calls = []
+
+    def in_steps(step, params, example_batch, **kw):  # type: ignore[no-untyped-def]
+        traced, _ = real(step, params, example_batch, **kw)
+        fixed = profiles.Profile(attrs.evolve(c, seconds=1e-4 * len(getattr(
+            step.executor.infos[c.stage].ad, c.kind).graph.eqns) * (3 if c.stage == STATE["last"] else 1))
+            for c in traced.programs)
+        seconds = profiles.predicted_step_time(step.plan, step.table, step.programs.all(), fixed) * (
+            10 if slower_after and calls else 1)
+        calls.append(seconds)
+        return fixed, seconds
+
+    STATE["last"] = 1
+    rebalancing.in_steps = in_steps
+    try:
+        with engine.parallelize(models.loss_fn, params, *batch, schedule="1f1b", stages=2, microbatches=4,
+                                rebalance="step") as step:
+            moved, after = step.rebalanced, list(step.plan.cuts)
+            loss, grads = step(step.shard(params), *batch)
+    finally:
+        rebalancing.in_steps = real
+    errs = [rel_err(loss.cpu(), ref_loss)]
+    errs += [rel_err(g.cpu(), r) for g, r in zip(pytree.tree_leaves(grads, is_leaf=lambda x: x is None),
+                                                  pytree.tree_leaves(ref)) if g is not None]
+    if slower_after:
+        ok = moved is None and len(calls) == 2 and calls[1] > calls[0]
+        name, before = "in-steps-reverted", after
+    else:
+        ok = (moved is not None and moved.stepped == (calls[0], calls[1]) and calls[1] < calls[0]
+              and list(moved.planned.plan.cuts) == after and "inside steps" in str(moved))
+        name, before = "in-steps", None if moved is None else list(moved.cuts_before)
+    ok = ok and max(errs) <= RTOL
+    return f"{'OK' if ok else 'FAIL'} rank {rank} {name} cuts {before} -> {after} max rel err {max(errs):.2e}"
+
+
 def main() -> int:
     executor.Executor.measure = slow_last
     world = engine.init()
@@ -221,6 +269,8 @@ def main() -> int:
     lines.append(reverted(world.rank))
     lines.append(noisy(world.rank))
     lines.append(cached(world.rank))
+    lines.append(in_steps_case(world.rank, slower_after=False))
+    lines.append(in_steps_case(world.rank, slower_after=True))
     lines.append(failing(world.rank))  # last: the ranks part on an error
     for line in lines:
         print(line, flush=True)

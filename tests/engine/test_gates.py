@@ -1,0 +1,92 @@
+"""Gated receives (`engine.execution.gates`): the flag pages and the counts, on host memory.
+
+The CUDA side (stream memory operations on registered memory) runs on GPUs only: tests/mpi/equivalence.py
+over NCCL covers it there. Here a driver that does on the host what the GPU would do with the same addresses.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import uuid
+
+import pytest
+import torch
+
+from engine.execution import gates
+
+
+class HostDriver:
+    """`register` gives the host address back (the GPU would see the page there), `write` stores the value,
+    `wait` records the value asked for and what the flag held at that moment."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[int, int]] = []
+        self.registered: list[int] = []
+
+    def register(self, address: int, size: int) -> int:
+        self.registered.append(address)
+        return address
+
+    def unregister(self, address: int) -> None:
+        self.registered.remove(address)
+
+    def write(self, stream, device_address: int, value: int) -> None:
+        ctypes.c_uint32.from_address(device_address).value = value
+
+    def wait(self, stream, device_address: int, value: int) -> None:
+        self.waits.append((value, ctypes.c_uint32.from_address(device_address).value))
+
+
+@pytest.fixture
+def paths():
+    token = uuid.uuid4().hex
+    out = {r: f"/dev/shm/fnpipe-gates-test-{token}-{r}" for r in range(3)}
+    made = [gates.Flags(p, 3, create=True) for p in out.values()]
+    yield out
+    del made
+    for p in out.values():
+        os.unlink(p)
+
+
+def test_sends_count_into_the_receivers_page_and_receives_wait_for_their_count(paths):
+    cpu = torch.device("cpu")
+    d0, d1, d2 = HostDriver(), HostDriver(), HostDriver()
+    g0 = gates.Gates(0, paths, incoming=[1], outgoing=[1], device=cpu, driver=d0)
+    g1 = gates.Gates(1, paths, incoming=[0, 2], outgoing=[0], device=cpu, driver=d1)
+    g2 = gates.Gates(2, paths, incoming=[], outgoing=[1], device=cpu, driver=d2)
+    for _ in range(3):
+        g0.sent_one(1)
+    g2.sent_one(1)
+    assert (g1.own.read(0), g1.own.read(2), g1.own.read(1)) == (3, 1, 0)  # a slot per sender, its own count
+    posted = []
+    for n in range(1, 4):
+        assert g1.receive(0, torch.empty(2), lambda n=n: posted.append(n) or n, pooled=True) == n
+    g1.receive(2, torch.empty(2), lambda: posted.append("from 2"), pooled=False)
+    assert posted == [1, 2, 3, "from 2"]
+    assert d1.waits == [(1, 3), (2, 3), (3, 3), (1, 1)]  # the n-th receive waits for count n
+    g1.sent_one(0)
+    g0.receive(1, torch.empty(2), lambda: None, pooled=True)
+    assert d0.waits == [(1, 1)] and g0.own.read(1) == 1
+    assert len(d1.registered) == 2 and len(d0.registered) == 2 and len(d2.registered) == 2  # own page and peers'
+
+
+def test_release_opens_every_gate_of_the_rank_from_the_host(paths):
+    g1 = gates.Gates(1, paths, incoming=[0, 2], outgoing=[], device=torch.device("cpu"), driver=HostDriver())
+    g1.release()
+    assert g1.own.read(0) == gates.DONE and g1.own.read(2) == gates.DONE and g1.own.read(1) == 0
+    g1.receive(0, torch.empty(1), lambda: None, pooled=True)  # a wait for any count passes a released gate
+    assert g1.driver.waits[-1] == (1, gates.DONE)
+
+
+def test_a_page_cannot_be_made_twice(paths):
+    with pytest.raises(FileExistsError):
+        gates.Flags(paths[0], 3, create=True)
+
+
+@pytest.mark.parametrize("value,expected", [(None, False), ("1", True), ("on", True), ("0", False), ("off", False)])
+def test_wanted_reads_the_switch(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("FNPIPE_GATED_RECV", raising=False)
+    else:
+        monkeypatch.setenv("FNPIPE_GATED_RECV", value)
+    assert gates.wanted() is expected
