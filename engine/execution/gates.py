@@ -12,8 +12,11 @@ when the receive kernel starts, never what it receives.
 
 Receive buffers are made on the channel's gate stream (its own pool in the caching allocator) and recorded on
 the compute stream that reads them, so the receive, no longer ordered after the receiver's compute, never
-writes into memory a compute kernel still reads. On close the receiver writes the largest count into its own
-flags from the host, so no gate keeps a stream waiting for a peer that is gone.
+writes into memory a compute kernel still reads; that pool is the gate stream's alone, so memory freed there is
+not reused by compute and the reverse (a little more memory than `step.memory()` models). The gate streams are
+made for gating alone (not from torch's shared stream pool, where an NCCL stream may be the same one). On close,
+and when a wait fails, the receiver writes counts past every queued wait into its own flags from the host, so no
+gate keeps a stream waiting for a peer that is gone.
 
 Only channels whose two ends share a host and whose two ranks both ask for it are gated (the flags are host
 shared memory); NCCL on CUDA only. Off unless `FNPIPE_GATED_RECV=1`: on 4 x H100 (2026-11-26, GPT 1 B, zbv at
@@ -33,7 +36,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 SLOT = 64  # bytes between two senders' flags: a cache line each
-DONE = 0xFFFFFFFF  # what a released gate's flag reads: larger than any count
+PAST = 2 ** 30  # a released gate reads its count + PAST: the GPU's >= is cyclic (int32(flag - value) >= 0)
 # Every page of flags mapped and registered, kept for the life of the process: a stream may still hold a
 # memory operation on one after its transport closed (a failed step), and unmapping pinned memory under it
 # is undefined. A page a transport, 4 KiB each.
@@ -45,9 +48,24 @@ def wanted() -> bool:
     return os.environ.get("FNPIPE_GATED_RECV", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def usable() -> bool:
+    """Whether the device's hardware queues leave room for a stream that waits: with CUDA_DEVICE_MAX_CONNECTIONS
+    below 4, streams share queues and a waiting gate could hold up compute behind it (a deadlock across ranks)."""
+    try:
+        return int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")) >= 4
+    except ValueError:
+        return False
+
+
+def after(flag: int, value: int) -> bool:
+    """The GPU's CU_STREAM_WAIT_VALUE_GEQ on 32-bit words: `flag` is at or past `value`, cyclically."""
+    return ((flag - value) & 0xFFFFFFFF) < 2 ** 31
+
+
 class Driver(Protocol):
     """The CUDA driver calls gating needs (`CudaDriver`; tests pass a recording one)."""
 
+    def stream(self, device: torch.device) -> Any: ...
     def register(self, address: int, size: int) -> int: ...
     def unregister(self, address: int) -> None: ...
     def write(self, stream: Any, device_address: int, value: int) -> None: ...
@@ -60,8 +78,12 @@ class CudaDriver:
     MAPPED = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
     GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ (a counter: >= is enough, the value only grows)
 
+    NON_BLOCKING = 0x1  # CU_STREAM_NON_BLOCKING
+
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
+        self._stream = lib.cuStreamCreate
+        self._stream.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         self._register = lib.cuMemHostRegister_v2
         self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         self._unregister = lib.cuMemHostUnregister
@@ -72,6 +94,14 @@ class CudaDriver:
         self._write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self._wait = _symbol(lib, "cuStreamWaitValue32")
         self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+
+    def stream(self, device: torch.device) -> Any:
+        """A stream of its own (never destroyed: gates live as long as the process may queue on them)."""
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device)  # the device's context is current on this thread
+            out = ctypes.c_void_p()
+            _check(self._stream(ctypes.byref(out), self.NON_BLOCKING), "cuStreamCreate")
+        return torch.cuda.ExternalStream(out.value, device=device)
 
     def register(self, address: int, size: int) -> int:
         _check(self._register(address, size, self.MAPPED), "cuMemHostRegister")
@@ -133,18 +163,18 @@ class Gates:
     n-th receive from `peer` is the n-th send to it.
     """
 
-    def __init__(self, rank: int, paths: dict[int, str], incoming: Sequence[int], outgoing: Sequence[int],
-                 device: torch.device, driver: Driver) -> None:
+    def __init__(self, rank: int, world_size: int, paths: dict[int, str], incoming: Sequence[int],
+                 outgoing: Sequence[int], device: torch.device, driver: Driver) -> None:
         self.rank, self.device, self.driver = rank, device, driver
         self.incoming, self.outgoing = tuple(incoming), tuple(outgoing)
-        self.own = Flags(paths[rank], len(paths), create=False)
-        self.peers = {p: Flags(paths[p], len(paths), create=False) for p in self.outgoing}
+        self.own = Flags(paths[rank], world_size, create=False)
+        self.peers = {p: Flags(paths[p], world_size, create=False) for p in self.outgoing}
         for flags in (self.own, *self.peers.values()):
             _KEEP.append(flags)
             flags.device_address = driver.register(flags.address, flags.size)
         self.received = {p: 0 for p in self.incoming}
         self.sent = {p: 0 for p in self.outgoing}
-        self.streams = {p: torch.cuda.Stream(device) for p in self.incoming} if device.type == "cuda" else {}
+        self.streams = {p: driver.stream(device) for p in self.incoming} if device.type == "cuda" else {}
 
     @contextlib.contextmanager
     def receiving(self, peer: int) -> Iterator[None]:
@@ -181,7 +211,8 @@ class Gates:
         self.driver.write(stream, self.peers[peer].device_address + self.rank * SLOT, self.sent[peer])
 
     def release(self) -> None:
-        """Open every gate of this rank for good, from the host: no stream waits for a peer that is gone.
+        """Open every gate of this rank for good, from the host: each flag set past every wait queued on it (the
+        GPU compares cyclically, so not to a "largest" value), and no stream waits for a peer that is gone.
         The pages stay mapped and registered (`_KEEP`)."""
         for peer in self.incoming:
-            self.own.set(peer, DONE)
+            self.own.set(peer, (self.received[peer] + PAST) & 0xFFFFFFFF)

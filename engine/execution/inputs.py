@@ -100,6 +100,11 @@ class Inputs:
             return f"batch leaf '{self.graph.input_names[self.graph.num_params + leaf]}'"
         return KINDS[kind]
 
+    def forget(self) -> None:
+        """As before any step: the next one compares the ranks' inputs again (steps the engine ran on the example
+        batch, `rebalance="step"`, are not the user's first)."""
+        self.checked, self.shard_prints = False, None
+
     def due(self, world_size: int) -> bool:
         """Whether this step compares the ranks' inputs (the same answer on every rank)."""
         return world_size > 1 and (self.check == "every" or (self.check == "first" and not self.checked))

@@ -22,6 +22,8 @@ import logging
 from typing import Any, Callable, Sequence
 
 import attrs
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import schedules
 
@@ -90,7 +92,8 @@ def in_steps(step: Any, params: Any, example_batch: Sequence[Any], *, traced: in
     """What `step`'s programs take inside steps: one step on the example batch to settle, then `traced` traced
     ones, every rank's spans gathered (a collective, the same result on every rank). Returns each program's
     median seconds from its inputs' arrival to its end (`profile.from_spans`) and the fastest traced step's
-    seconds (its slowest rank's first-to-last instruction)."""
+    seconds (its slowest rank's first-to-last instruction). The step's input checks are left as before any
+    step: the user's first step is still compared across ranks (`check_inputs="first"`)."""
     local = step.shard(params)
     step(local, *example_batch)
     spans: list[Any] = []
@@ -101,4 +104,11 @@ def in_steps(step: Any, params: Any, example_batch: Sequence[Any], *, traced: in
         spans += every
         times.append(max(max(s.end for s in every if s.rank == r) - min(s.start for s in every if s.rank == r)
                          for r in {s.rank for s in every}))
+    step.inputs.forget()
     return from_spans(spans, step.programs.all()), min(times)
+
+
+def runnable(batch: Sequence[Any]) -> bool:
+    """Whether steps can run on `batch` (no meta or fake tensors: an example batch may be shapes only)."""
+    leaves = [x for x in batch if isinstance(x, torch.Tensor)]
+    return all(x.device.type != "meta" and not isinstance(x, FakeTensor) for x in leaves)

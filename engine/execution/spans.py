@@ -69,6 +69,8 @@ class Tracer:
 
     def begin_step(self) -> None:
         self.marks = []
+        if self.cuda:
+            torch.cuda.synchronize()  # an idle device: its step start and the host's are one moment (`Span.issued`)
         self.origin = self._now()
         self.host_origin = time.perf_counter()
 

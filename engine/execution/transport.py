@@ -121,6 +121,11 @@ class DistTransport:
         Collective: three small all-gathers (who asks, flag pages made, pages mapped), and if any rank of a
         gated channel fails a step of it, no channel is gated anywhere (a warning says why)."""
         asks = self.nccl and self.device.type == "cuda" and gating.wanted()
+        if asks and not gating.usable():
+            log.warning("rank %d: FNPIPE_GATED_RECV=1 but CUDA_DEVICE_MAX_CONNECTIONS=%s (below 4): a waiting gate could "
+                        "hold up compute on a shared hardware queue; receives are not gated", self.rank,
+                        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+            asks = False
         everyone = self.all_gather_json({"host": socket.gethostname(), "asks": asks, "token": uuid.uuid4().hex})
 
         def gated(a: int, b: int) -> bool:
@@ -136,8 +141,9 @@ class DistTransport:
                                "making its flag page") is None:
                 return None
             out = self._gate_step(lambda: gating.Gates(
-                self.rank, paths, [a for a, b in pairs if b == self.rank], [b for a, b in pairs if a == self.rank],
-                self.device, driver or gating.CudaDriver()) if mine else None, "mapping the flag pages")
+                self.rank, self.world_size, paths, [a for a, b in pairs if b == self.rank],
+                [b for a, b in pairs if a == self.rank], self.device, driver or gating.CudaDriver()) if mine else None,
+                "mapping the flag pages")
         finally:
             if mine and os.path.exists(mine):
                 os.unlink(mine)  # every rank has mapped it (or given up): the name is not needed
@@ -150,8 +156,8 @@ class DistTransport:
         """`make()` on every rank, then whether all succeeded; a rank's failure turns gating off everywhere."""
         try:
             made, error = make(), None
-        except (OSError, RuntimeError) as exc:
-            made, error = None, f"rank {self.rank}: {what}: {exc}"
+        except Exception as exc:  # noqa: BLE001 -- every rank must hear of it before anyone goes on
+            made, error = None, f"rank {self.rank}: {what}: {type(exc).__name__}: {exc}"
         errors = [e for e in self.all_gather_json(error) if e]
         if errors:
             log.warning("receives are not gated (each waits on the GPU for its sender): %s", "; ".join(errors))
@@ -195,7 +201,10 @@ class DistTransport:
 
     def _failure(self, what: str, exc: BaseException, peers: Sequence[int], waited: float = 0.0) -> CommTimeoutError:
         """The error a survivor raises: which rank, which wait, how long, who to look at and what to check.
-        The backend's own text (source paths, socket errors) stays in the chained cause."""
+        The backend's own text (source paths, socket errors) stays in the chained cause. This rank's gates open:
+        nothing it queued waits on a peer that failed."""
+        if getattr(self, "gates", None) is not None:
+            self.gates.release()
         return CommTimeoutError(failure_message(self.rank, what, peers, waited=waited, timeout=self.timeout,
                                                 timed_out="timed out" in str(exc).lower()))
 

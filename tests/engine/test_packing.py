@@ -79,10 +79,10 @@ def _count_posts(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[int, str], int]:
     counts: dict[tuple[int, str], int] = {}
     post = LocalTransport.post
 
-    def counting(self: LocalTransport, ops: Any) -> list[Any]:
+    def counting(self: LocalTransport, ops: Any, **kw: Any) -> list[Any]:
         for op, _, _ in ops:
             counts[(self.rank, op)] = counts.get((self.rank, op), 0) + 1
-        return post(self, ops)
+        return post(self, ops, **kw)
 
     monkeypatch.setattr(LocalTransport, "post", counting)
     return counts
