@@ -111,24 +111,22 @@ def test_flags_of_every_world_rank_fit_the_page_whatever_ranks_are_gated():
             os.unlink(p)
 
 
-@pytest.mark.parametrize("value,expected", [(None, True), ("8", True), ("4", True), ("1", False), ("x", False)])
-def test_gating_needs_room_in_the_hardware_queues(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
-    assert gates.usable() is expected
-
-
 def test_a_page_cannot_be_made_twice(paths):
     with pytest.raises(FileExistsError):
         gates.Flags(paths[0], 3, create=True)
 
 
-@pytest.mark.parametrize("value,expected", [(None, False), ("1", True), ("on", True), ("0", False), ("off", False)])
-def test_wanted_reads_the_switch(monkeypatch, value, expected):
+@pytest.mark.parametrize("name,value,expected", [
+    ("FNPIPE_GATED_RECV", None, False), ("FNPIPE_GATED_RECV", "1", True), ("FNPIPE_GATED_RECV", "on", True),
+    ("FNPIPE_GATED_RECV", "0", False), ("FNPIPE_GATED_RECV", "off", False),
+    # gating needs room in the hardware queues
+    ("CUDA_DEVICE_MAX_CONNECTIONS", None, True), ("CUDA_DEVICE_MAX_CONNECTIONS", "8", True),
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "4", True), ("CUDA_DEVICE_MAX_CONNECTIONS", "1", False),
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "x", False)])
+def test_the_switches_read_the_environment(monkeypatch, name, value, expected):
     if value is None:
-        monkeypatch.delenv("FNPIPE_GATED_RECV", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("FNPIPE_GATED_RECV", value)
-    assert gates.wanted() is expected
+        monkeypatch.setenv(name, value)
+    read = gates.wanted if name == "FNPIPE_GATED_RECV" else gates.usable
+    assert read() is expected
