@@ -16,12 +16,15 @@
 #   bash benchmarks/h200_session.sh fourwhy   # 4 GPUs: where zbv's step goes at depth 4 (diagnose_p2 with
 #                                             # report.against_programs and the programs re-timed after the
 #                                             # steps), then the depth-4 zbv table with the model on one GPU
+#   bash benchmarks/h200_session.sh fourcheck # 4 GPUs: gated receives' equivalence over NCCL, the same plan started
+#                                             # three times in one process (restarts.py), one traced zbv step with
+#                                             # the SM clock and power sampled every 10 ms beside it
 #   bash benchmarks/h200_session.sh schedlib  # 2 GPUs: the schedule library beside PyTorch's same-named schedules,
 #                                             # schedule="auto", and the dualpipev overlap trace (4 GPUs: P=4 too)
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourwhy|fourdp|fourall|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourwhy|fourcheck|fourdp|fourall|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -81,6 +84,19 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
         --families "$families" --compilers auto --schedule zbv --timeout 240 --remeasure
       bench 360 4 29519 --budget 340 --families "$families" --calibrate "$cal" --one-gpu-layers 16 --compilers auto \
         --schedules zbv --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 --out-dir "$out/p4"
+      ;;
+    fourcheck)  # 4 GPUs: what session 12 left (benchmarks/NOTES.md, Open)
+      FNPIPE_GATED_RECV=1 ENGINE_LOG_LEVEL_LAUNCH=INFO timeout 150 mpirun --allow-run-as-root -n 4 \
+        python3 tests/mpi/equivalence.py > "$out/equivalence_gated.txt" 2>&1
+      echo "gated equivalence over NCCL, 4 ranks: exit $?, $(grep -c '^OK' "$out/equivalence_gated.txt") OK lines," \
+        "$(grep -c '^FAIL' "$out/equivalence_gated.txt") FAIL, $(grep -c 'gated receives from' "$out/equivalence_gated.txt") gated"
+      timeout 200 torchrun --nproc_per_node 4 --master-port 29520 benchmarks/restarts.py --family llama --schedule zbv
+      nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,utilization.gpu --format=csv,noheader -lms 10 \
+        > "$out/smi_10ms.csv" & smi=$!
+      mkdir -p "$out/why"
+      OUT="$out/why" timeout 150 torchrun --nproc_per_node 4 --master-port 29521 benchmarks/diagnose_p2.py \
+        --families gpt --compilers auto --schedule zbv --timeout 240
+      kill $smi
       ;;
     fourdp)  # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2 (the DP all-reduce buffers in the memory model)
       timeout 100 mpirun --allow-run-as-root -n 4 python3 tests/mpi/equivalence.py > "$out/equivalence.txt" 2>&1
