@@ -114,12 +114,13 @@ class Candidates:
         return exact(self.graph(size), cuts, self.model, cache=cache, recompute=recompute,
                      differentiate=self.differentiate(size))
 
-    def table(self, layout: Layout, stages: Sequence[StageCost] | None = None, *, screen: bool = False
-              ) -> schedules.Table:
+    def table(self, layout: Layout, stages: Sequence[StageCost] | None = None, *, screen: bool = False,
+              live: Sequence[int] | None = None) -> schedules.Table:
         """The layout's table (built once per layout); with `stages`, the zero-bubble family's order built for
-        their costs (`screen`: the hand-built orders timed under them, no search: see `estimated`)."""
+        their costs (`screen`: the hand-built orders timed under them, no search: see `estimated`; `live`: at
+        most that many stage-microbatches held per rank, the order's `max_live`, instead of its default)."""
         if stages is not None:
-            options = dict(self.options(layout, stages))
+            options = dict(self.options(layout, stages, live))
             if screen and self.schedule in FROM_COSTS:
                 options["search"] = False
             return build_table(self.build, self.schedule, layout.num_stages, layout.microbatches, options)
@@ -139,10 +140,13 @@ class Candidates:
             self._live[key] = (table, peak_live(table))
         return self._live[key][1]
 
-    def options(self, layout: Layout, stages: Sequence[StageCost] | None = None) -> tuple[tuple[str, Any], ...]:
+    def options(self, layout: Layout, stages: Sequence[StageCost] | None = None, live: Sequence[int] | None = None
+                ) -> tuple[tuple[str, Any], ...]:
         chosen = schedule_options(self.schedule, layout)
         if stages is not None and self.schedule in FROM_COSTS:
             chosen["costs"] = order_costs(stages, self.model)
+            if live is not None:
+                chosen["max_live"] = tuple(int(x) for x in live)
         return tuple(sorted(chosen.items()))
 
     def block_costs(self, blocks: Blocks, time_scale: Sequence[float], saved_scale: Sequence[float]) -> BlockCosts:
@@ -154,17 +158,19 @@ class Candidates:
             cut_time=tuple(self.model.comm_time(b) for b in blocks.cut_bytes))
 
     def evaluate(self, layout: Layout, stages: tuple[StageCost, ...], table: schedules.Table, *,
-                 fine: bool = False, bounds: tuple[int, ...] = (), screen: bool | None = None) -> Candidate:
+                 fine: bool = False, bounds: tuple[int, ...] = (), screen: bool | None = None,
+                 live: Sequence[int] | None = None) -> Candidate:
         """Simulate `stages` under the layout's schedule (the zero-bubble family's order rebuilt for their
         costs; `screen` (default `self.screen`): only its hand-built orders timed, an upper bound, and the
-        candidate's options say so); add the dp gradient all-reduce."""
+        candidate's options say so; `live`: the order built to hold at most that many stage-microbatches per
+        rank); add the dp gradient all-reduce."""
         if layout.replicated:
             return replicas.evaluate(self, layout, stages, table, fine=fine, bounds=bounds)
         memory = self.memory_for(layout)
-        options = self.options(layout, stages)
+        options = self.options(layout, stages, live)
         if self.schedule in FROM_COSTS:
             screen = self.screen if screen is None else screen
-            table = self.table(layout, stages, screen=screen)
+            table = self.table(layout, stages, screen=screen, live=live)
             options = tuple(sorted({**dict(options), "search": False}.items())) if screen else options
         sim = schedules.simulate(table, schedule_costs(stages, table, self.model, memory))
         grads = [sum(stages[s].param_bytes for s in table.stages_of(r)) for r in range(table.num_ranks)]
