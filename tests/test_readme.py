@@ -57,7 +57,8 @@ def test_the_blocks_run_in_order_as_one_file(doc: str, tmp_path: Path) -> None:
     out = _run(argv("python doc.py"), tmp_path)
     if doc == "README.md":  # what the blocks print: the usage loop, the IR, a schedule, a plan
         assert re.search(r"^step 20: loss \d\.\d{5}$", out, re.M), out[-3000:]
-        assert "= matmul" in out and "zb-h1: 4 stages on 4 ranks x dp 2 = 8 ranks" in out, out[-3000:]
+        assert "= matmul" in out and re.search(r"zb-h1(, max_live=\([\d, ]+\))?: 4 stages on 4 ranks x dp 2 = 8 ranks",
+                                                out), out[-3000:]
         assert (tmp_path / "zbh1.png").stat().st_size > 0 and (tmp_path / "zbh1.json").exists()
 
 

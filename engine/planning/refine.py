@@ -68,18 +68,28 @@ def _searched(planner: Candidates, screened: Candidate) -> Candidate:
 
 
 ROOM = 2  # stage-microbatches more per rank that a searched zero-bubble order may hold where memory allows
+ROOM_GAIN = 0.01  # predicted faster by this much to spend the memory (the planner's tie band, auto.py's too)
 
 
 def _roomier(planner: Candidates, searched: Candidate, table: Any) -> Candidate:
-    """`searched`, or its order searched again holding ROOM more stage-microbatches per rank than it does, if
-    that fits every rank and is predicted faster by more than 0.5 %. An order held to its schedule's default
-    count (zbv: 2p) waits where one more microbatch's forward would fill a gap: on 4 x H100's GPT and Llama
-    zbv costs (2026-11-26) 8 -> 10 cut the simulated step by 2.3 % and 1.6 %, at the memory of the extra
-    activations (the memory model counts them; a rank that would overflow keeps the default)."""
-    held = schedules.simulate(planner.table(searched.layout, searched.stages)).peak_live  # per rank
-    roomy = planner.evaluate(searched.layout, searched.stages, table, fine=searched.fine, bounds=searched.bounds,
-                             live=[n + ROOM for n in held])
-    faster = roomy.step_time < searched.step_time * (1 - 0.005)
+    """`searched`, or its order searched again holding ROOM more stage-microbatches per rank than its schedule's
+    default (what the layout's fixed order holds, `table`) or the searched order, whichever is more, if every
+    rank fits and it is predicted ROOM_GAIN faster. An order held to the default count (zbv: 2p) waits where
+    one more microbatch's forward would fill a gap: on 4 x H100's GPT and Llama zbv costs (2026-11-26)
+    8 -> 10 cut the simulated step by 2.3 % and 1.6 %, at the memory of the extra activations (the memory model
+    counts them; a rank that would overflow keeps the default). Not for replicated layouts (their orders are
+    not built from costs) nor past from_costs' size for searching (only its seeds are timed there)."""
+    layout = searched.layout
+    if layout.replicated or layout.num_stages * layout.microbatches >= schedules.from_costs._HUGE:
+        return searched
+    held = schedules.simulate(planner.table(layout, searched.stages)).peak_live  # per rank (memory.peak_live: stage)
+    default = schedules.simulate(table).peak_live
+    try:
+        roomy = planner.evaluate(layout, searched.stages, table, fine=searched.fine, bounds=searched.bounds,
+                                 live=[max(h, d) + ROOM for h, d in zip(held, default)])
+    except schedules.ScheduleError:  # no order within those counts: keep what was searched
+        return searched
+    faster = roomy.step_time < searched.step_time * (1 - ROOM_GAIN)
     return roomy if faster and max(roomy.rank_memory) <= planner.limit else searched
 
 
