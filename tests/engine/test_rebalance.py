@@ -161,10 +161,10 @@ def test_parallelize_rebalances_under_mpirun_and_the_new_split_equals_func_grad(
     out = launch([str(BIN / "mpirun"), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
                   "tests/mpi/rebalance.py"], timeout=300, env=dict(job_env(), FNPIPE_TEST_PLAN_CACHE=str(tmp_path)))
     rows = re.findall(r"^(OK|FAIL) rank (\d) (\S+) cuts (.*) -> (.*) max rel err (\S+)$", out, flags=re.M)
-    assert len(rows) == 22 and all(r[0] == "OK" for r in rows), out
+    assert len(rows) == 24 and all(r[0] == "OK" for r in rows), out
     assert sum(r[2] == "failing" for r in rows) == 2, out  # a failing re-split: each rank raised what it should
     for name in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b", "transformers-llama", "reverted", "noisy",
-                 "plan_cache", "in-steps", "in-steps-reverted"):
+                 "plan_cache", "in-steps", "in-steps-reverted", "transformers-llama-in-steps"):
         mine = {(before, after) for _, _, n, before, after, _ in rows if n == name}
         assert len(mine) == 1, out  # the same move on both ranks
         before, after = next(iter(mine))

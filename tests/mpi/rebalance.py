@@ -58,26 +58,34 @@ def check(schedule: str, v: int, rank: int) -> str:
     return f"{'OK' if ok else 'FAIL'} rank {rank} {schedule} cuts {before} -> {after} max rel err {worst:.2e}"
 
 
-def transformers_llama(rank: int) -> str:
+def transformers_llama(rank: int, mode: bool | str = True) -> str:
     """A model we did not write: transformers' Llama (tiny config, float64, 4 stages of zbv) re-split from its
-    last stage measured 3 x slow; loss and every grad leaf against torch.func.grad."""
+    last stage measured 3 x slow (`mode` True: the programs measured in turn; "step": inside traced steps);
+    loss and every grad leaf against torch.func.grad."""
+    from engine.execution import rebalance as rebalancing
     from tests.models.zoo import causal_lm
 
     case = causal_lm("llama")
     ref_loss, ref = torch.func.grad_and_value(case.fn)(case.params, *case.batch)[::-1]
     STATE["last"] = 3
     executor.Executor.measure = slow_last
-    with engine.parallelize(case.fn, case.params, *case.batch, schedule="zbv", stages=4, microbatches=4,
-                            rebalance=True) as step:
-        moved = step.rebalanced
-        loss, grads = step(step.shard(case.params), *case.batch)
-        after = list(step.plan.cuts)
+    real, calls = rebalancing.in_steps, []
+    rebalancing.in_steps = deterministic_in_steps(real, calls)
+    try:
+        with engine.parallelize(case.fn, case.params, *case.batch, schedule="zbv", stages=4, microbatches=4,
+                                rebalance=mode) as step:
+            moved = step.rebalanced
+            loss, grads = step(step.shard(case.params), *case.batch)
+            after = list(step.plan.cuts)
+    finally:
+        rebalancing.in_steps = real
     errs = [rel_err(loss.cpu(), ref_loss)]
     errs += [rel_err(g.cpu(), r) for g, r in zip(pytree.tree_leaves(grads, is_leaf=lambda x: x is None),
                                                   pytree.tree_leaves(ref)) if g is not None]
-    ok = moved is not None and max(errs) <= RTOL
+    ok = moved is not None and max(errs) <= RTOL and (moved.stepped is not None) == (mode == "step")
     before = None if moved is None else list(moved.cuts_before)
-    return f"{'OK' if ok else 'FAIL'} rank {rank} transformers-llama cuts {before} -> {after} max rel err {max(errs):.2e}"
+    name = "transformers-llama" + ("-in-steps" if mode == "step" else "")
+    return f"{'OK' if ok else 'FAIL'} rank {rank} {name} cuts {before} -> {after} max rel err {max(errs):.2e}"
 
 
 def reverted(rank: int) -> str:
@@ -213,20 +221,11 @@ def failing(rank: int) -> str:
     return f"{'OK' if ok else 'FAIL'} rank {rank} failing cuts [{got}] -> [{waited:.1f} s] max rel err 0"
 
 
-def in_steps_case(rank: int, *, slower_after: bool) -> str:
-    """rebalance="step": the programs' seconds from traced steps (the steps run and are traced; their seconds
-    are replaced by deterministic ones, 0.1 ms an equation and the last stage 3 x, as for the measured
-    programs above), and each split's step time that schedule simulated under them. The re-split is kept
-    where its steps run faster, with loss and grads those of torch.func.grad; with the new split's traced
-    steps made 10 x slower (`slower_after`), the planner's cuts are started again."""
+def deterministic_in_steps(real, calls: list, *, slower_after: bool = False):  # type: ignore[no-untyped-def]
+    """`rebalance.in_steps` that runs and traces the steps (`real`), then gives each program deterministic
+    seconds (0.1 ms an equation, the last stage 3 x, as `slow_last`) and the step time the schedule simulates
+    under them (10 x from the second call with `slower_after`), appending it to `calls`."""
     from engine.execution import profile as profiles
-    from engine.execution import rebalance as rebalancing
-
-    params = models.init_params(dtype=torch.float64, layers=8, width=16)
-    batch = models.batch(size=16)
-    ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
-    real = rebalancing.in_steps
-    calls = []
 
     def in_steps(step, params, example_batch, **kw):  # type: ignore[no-untyped-def]
         traced, seconds = real(step, params, example_batch, **kw)
@@ -238,6 +237,24 @@ def in_steps_case(rank: int, *, slower_after: bool) -> str:
             10 if slower_after and calls else 1)
         calls.append(seconds)
         return fixed, seconds
+
+    return in_steps
+
+
+def in_steps_case(rank: int, *, slower_after: bool) -> str:
+    """rebalance="step": the programs' seconds from traced steps (the steps run and are traced; their seconds
+    are replaced by deterministic ones, 0.1 ms an equation and the last stage 3 x, as for the measured
+    programs above), and each split's step time that schedule simulated under them. The re-split is kept
+    where its steps run faster, with loss and grads those of torch.func.grad; with the new split's traced
+    steps made 10 x slower (`slower_after`), the planner's cuts are started again."""
+    from engine.execution import rebalance as rebalancing
+
+    params = models.init_params(dtype=torch.float64, layers=8, width=16)
+    batch = models.batch(size=16)
+    ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
+    real = rebalancing.in_steps
+    calls: list[float] = []
+    in_steps = deterministic_in_steps(real, calls, slower_after=slower_after)
 
     STATE["last"] = 1
     rebalancing.in_steps = in_steps
@@ -272,6 +289,7 @@ def main() -> int:
     world = engine.init()
     lines = [check(name, v, world.rank) for name, v in SCHEDULES.items()]
     lines.append(transformers_llama(world.rank))
+    lines.append(transformers_llama(world.rank, "step"))
     lines.append(reverted(world.rank))
     lines.append(noisy(world.rank))
     lines.append(cached(world.rank))
