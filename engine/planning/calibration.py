@@ -33,6 +33,9 @@ from ir.device import rank_neutral
 
 log = logging.getLogger("engine.calibrate")
 ProgramCompiler = Callable[[ir.Graph, tuple[int, ...]], Callable[..., Any]]  # (graph, accumulate) -> runnable
+WARM_ROUNDS = 2  # untimed rounds before the programs are timed: the first makes every output anew, the second
+# still finds the previous round's outputs held (a round's outputs are freed only as the next overwrites them),
+# so the allocator grows on it too. Medians, not means: one slow round (an allocation, a hiccup) moves nothing
 
 
 def _describe(x: Any) -> Any:
@@ -271,7 +274,8 @@ def _program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torc
                      param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler
                      ) -> tuple[float, float]:
     """Seconds a run of the forward and of the fused backward program, one after the other `repeats` times
-    after a warm-up, each timed on its own (CUDA events, or the host clock on CPU)."""
+    after WARM_ROUNDS untimed rounds, each timed on its own (CUDA events, or the host clock on CPU); the median
+    round of each."""
     fwd, bwd = ad.forward, ad.backward
     slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
     slots.update((i, x.to(device)) for i, x in enumerate(inputs))
@@ -287,13 +291,21 @@ def _program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torc
             clock.mark()
         run_b(*[slots[i] for i in bwd.in_slots], *accs)
 
-    once(False)  # warm-up
+    for _ in range(WARM_ROUNDS):
+        once(False)
     clock.start()
     for _ in range(repeats):
         once(True)
     clock.mark()
     gaps = clock.gaps()  # forward, backward, forward, ...
-    return sum(gaps[0::2]) / repeats, sum(gaps[1::2]) / repeats
+    forwards, backwards = gaps[0::2], gaps[1::2]
+    log.info("calibration: forward program %s ms, backward %s ms (each round; the medians are kept)",
+             _ms(forwards), _ms(backwards))
+    return statistics.median(forwards), statistics.median(backwards)
+
+
+def _ms(seconds: Sequence[float]) -> str:
+    return "/".join(f"{t * 1e3:.2f}" for t in seconds)
 
 
 class Clock:
