@@ -31,6 +31,7 @@ cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one mac
 mkdir -p "$out" "$cal"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$cal/inductor}  # compiled kernels, reused by later launches
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} OMP_NUM_THREADS=4
+export ENGINE_LOG_LEVEL_RUNTIME=${ENGINE_LOG_LEVEL_RUNTIME:-INFO}  # why a re-split was made or not (engine.execution.rebalance)
 log="$out/log_$part.txt"
 bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchmarks/gpu_pipeline.py "${@:4}"; }
 {

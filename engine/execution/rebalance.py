@@ -76,6 +76,7 @@ def rebalance(planned: Planned, programs: Sequence[Program], profile: Profile, r
     scale = measured_scale(plan, programs, profile)
     now = predicted_step_time(plan, planned.table, programs, profile)
     if scale is None or now is None:
+        log.info("rebalance: a program that runs was not measured; the planner's cuts stay")
         return None
     try:
         found = replan(measured=scale)
@@ -84,6 +85,10 @@ def rebalance(planned: Planned, programs: Sequence[Program], profile: Profile, r
                     type(err).__name__, err)
         return None
     if found.plan.cuts == plan.cuts or not found.plan.predicted_step_time < now * (1 - gain):
+        log.info("rebalance: the best split under the measured stage times (%s), cuts %s, is predicted %.2f ms "
+                 "against %.2f ms from the running step's programs (cuts %s): kept only if new and %.0f %% faster",
+                 scale, list(found.plan.cuts), found.plan.predicted_step_time * 1e3, now * 1e3, list(plan.cuts),
+                 gain * 100)
         return None
     return Rebalanced(found, plan.cuts, now, found.plan.predicted_step_time, scale)
 
