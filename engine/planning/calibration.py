@@ -3,8 +3,9 @@
 Each distinct signature (op, input shapes and dtypes, constant arguments) runs once on random tensors
 of its shapes (integers are zeros, so indices are valid); the median of a few runs is kept. A model of
 N identical blocks measures one block's ops, not N. Then the model's whole forward and backward
-programs run once more, timed, and the table keeps how much longer they took than their ops' sum
-(`scale`): what ops timed alone miss, the gaps between launches and operands no longer in cache.
+programs run, WARM_ROUNDS rounds untimed and at least three timed, and the table keeps how much longer the
+median round took than their ops' sum (`scale`): what ops timed alone miss, the gaps between launches and
+operands no longer in cache.
 
 Forward and backward programs get a scale each (`scale`, `backward_scale`): what ops timed alone miss differs
 between them. Compiled programs (inductor) fuse ops, so their ops' sum says little about them: the same whole
@@ -262,7 +263,7 @@ def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibr
         return ProgramScale()
     f_sum, b_sum = sum(cal.times[k] for k in f_keys), sum(cal.times[k] for k in b_keys)
     try:
-        f_run, b_run = _program_seconds(ad, device, inputs, acc, param_grads, repeats, compile_program)
+        f_run, b_run = _program_seconds(ad, device, inputs, acc, param_grads, max(repeats, 3), compile_program)
     except Exception as err:  # noqa: BLE001 -- e.g. out of memory: the op times are used as they are
         log.warning("program scale not measured (op times used as they are): %s: %s", type(err).__name__, err)
         return ProgramScale()
@@ -275,7 +276,7 @@ def _program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torc
                      ) -> tuple[float, float]:
     """Seconds a run of the forward and of the fused backward program, one after the other `repeats` times
     after WARM_ROUNDS untimed rounds, each timed on its own (CUDA events, or the host clock on CPU); the median
-    round of each."""
+    round of each (program_scale asks for at least three)."""
     fwd, bwd = ad.forward, ad.backward
     slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
     slots.update((i, x.to(device)) for i, x in enumerate(inputs))

@@ -56,7 +56,8 @@ def test_programs_that_ran_as_planned_keep_the_plan(schedule: str, layout: dict)
     records: list[logging.LogRecord] = []
     handler, logger = logging.Handler(logging.INFO), logging.getLogger("engine.runtime")
     handler.emit = records.append  # type: ignore[method-assign]
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the loggers' cached answers
     logger.addHandler(handler)
     try:
         assert rebalance(planned, programs, _plans_own_times(planned), _replan(schedule, layout)) is None
