@@ -10,7 +10,9 @@
 
 For each row it prints `engine.report.compare` (each stage's measured F/B against the plan's prediction,
 from `step.traced`), `engine.report.against_programs` (each rank's programs as timed at start-up against
-the same programs in the step, what it waited for receives, and the step simulated from either) and, from a
+the same programs in the step, what it waited for receives, and the step simulated from either),
+`engine.report.beside_receives` (the same ratio for computes that ran beside a receive still waiting for its
+data, and for the others) and, from a
 `torch.profiler` trace of one step on each rank: the step's wall time, the time some compute kernel runs
 (union), the sum of kernel times against the rank's programs at start-up, the NCCL kernel time, the GPU's
 idle time, the host-side synchronising calls (cudaStreamSynchronize, cudaDeviceSynchronize,
@@ -190,6 +192,7 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
         print(step.plan, flush=True)
         print(report.compare(step, every), flush=True)
         print(report.against_programs(step, every), flush=True)
+        print(report.beside_receives(step, every), flush=True)
         dump = {"spans": [attrs.asdict(x) for x in every], "table": [[str(a) for a in r] for r in step.table.rows],
                 "profile": step.profile.to_json() if step.profile is not None else None,
                 "measured_s": seconds, "prog_s": step.predicted_step_time}

@@ -32,7 +32,7 @@ import schedules
 from .execution.program import COMPUTE, SHORT
 from .planning.plan import Plan
 from .execution.profile import from_spans, predicted_step_time
-from .execution.spans import Span, stage_times, timeline
+from .execution.spans import Span, stage_times, timeline, traced_instrs
 
 log = logging.getLogger("engine.report")
 KINDS = tuple(SHORT.items())  # (instruction kind, its letter as a schedule action)
@@ -162,6 +162,72 @@ def against_programs(step: Any, spans: Sequence[Span]) -> str | None:
     lines.append(f"simulated: from the start-up programs {_ms(step.predicted_step_time)} ms, from this step's "
                  f"{_ms(ran)} ms; measured {_ms(slowest)} ms")
     return "\n".join(lines)
+
+
+def beside_receives(step: Any, spans: Sequence[Span]) -> str | None:
+    """Whether programs ran slower beside a posted receive: per rank in `spans`, its computes' in-step time over
+    their start-up time (`step.profile`), the median for those that ran at least half their time while a
+    receive this rank had posted still waited for its data, and for the others. A receive waits from its comm
+    instruction's start until the first compute that reads it has its inputs (`Span.ready`). An NCCL receive
+    posted before its sender holds SMs while it waits (`benchmarks/contention.py`: compute beside one ran
+    1.37 x on an H100); the ones beside nothing show what else a step adds. None before `profile_programs`, and
+    a rank's row is "-" where its spans are not one per traced instruction of its program (a hook skipped one).
+
+        rank  beside a receive: computes  median ratio  beside none: computes  median ratio
+           0                          48         1.113                     44         1.075
+    """
+    profile = getattr(step, "profile", None)
+    if profile is None:
+        return None
+    programs = step.programs.all()
+    rows = []
+    for r in sorted({s.rank for s in spans}):
+        mine, instrs = [s for s in spans if s.rank == r], traced_instrs(programs[r].instrs)
+        if len(mine) != len(instrs):
+            rows.append([str(r), "-", "-", "-", "-"])
+            continue
+        waits = _receives_waiting(instrs, mine)
+        split: tuple[list[float], list[float]] = ([], [])
+        for ins, sp in zip(instrs, mine):
+            cost = profile.of((ins.stage, ins.kind, ins.accumulated())) if ins.kind in COMPUTE else None
+            if cost is None or cost.seconds <= 0 or sp.busy <= 0:
+                continue
+            beside = covered_seconds(waits, sp.end - sp.busy, sp.end) >= sp.busy / 2
+            split[0 if beside else 1].append(sp.busy / cost.seconds)
+        rows.append([str(r), *(cell for ratios in split for cell in (str(len(ratios)), _median(ratios)))])
+    return "\n".join(["computes beside a receive still waiting for its data, against the others (in-step / start-up "
+                      "time)"] + _table(["rank", "beside a receive: computes", "median ratio", "beside none: computes",
+                                         "median ratio"], rows))
+
+
+def _receives_waiting(instrs: Sequence[Any], spans: Sequence[Span]) -> list[tuple[float, float]]:
+    """(posted, data there) of each receive in one rank's program: its comm span's start, and the `ready` (else
+    the start) of the first compute after it that reads one of its buffers."""
+    waits = []
+    for k, ins in enumerate(instrs):
+        bufs = {b for op in ins.comm if op.op == "recv" for b in op.bufs}
+        if not bufs:
+            continue
+        reader = next((j for j in range(k + 1, len(instrs))
+                       if instrs[j].kind in COMPUTE and bufs & set(instrs[j].reads)), None)
+        if reader is not None:
+            there = spans[reader].ready if spans[reader].ready is not None else spans[reader].start
+            waits.append((spans[k].start, there))
+    return waits
+
+
+def covered_seconds(intervals: Sequence[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end] inside at least one of `intervals`."""
+    clipped = sorted((max(a, start), min(b, end)) for a, b in intervals if b > start and a < end)
+    total, reach = 0.0, start
+    for a, b in clipped:
+        total += max(0.0, b - max(a, reach))
+        reach = max(reach, b)
+    return total
+
+
+def _median(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.3f}" if values else "-"
 
 
 def log_compare(step: Any, spans: Sequence[Span], **kw: Any) -> str:

@@ -15,7 +15,7 @@ from .emit import StageInfo
 from .packing import Layouts
 from .profile import Key, Profile, ProgramCost, faster_of, first_instructions, measure
 from .program import COMPUTE, Instr, Program
-from .spans import Tracer
+from .spans import UNTRACED, Tracer
 from .transport import Transport
 
 Hook = Callable[["Executor", Instr], "str | None"]  # return "skip" to skip the instruction (test faults)
@@ -62,7 +62,7 @@ class Executor:
         for ins in self.program.instrs:
             if self.hook is not None and self.hook(self, ins) == "skip":
                 continue
-            if tracer is not None and ins.kind != "free":
+            if tracer is not None and ins.kind not in UNTRACED:
                 opened = tracer.around(ins)
                 HANDLERS[ins.kind](self, ins)
                 tracer.close(opened)

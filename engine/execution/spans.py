@@ -14,6 +14,7 @@ from schedules.timeline import COMM, OTHER
 
 from .program import COMPUTE, SHORT, Instr
 
+UNTRACED = ("free",)  # instruction kinds a Tracer does not time: every other instruction of a program has a Span
 _BAR_KIND = {**SHORT, "comm": COMM}  # instruction kind -> timeline bar kind; the rest are OTHER
 
 
@@ -52,7 +53,8 @@ class Span:
 
 
 class Tracer:
-    """Times instructions of one step; on GPU with events, read after the step ends (no extra syncs)."""
+    """Times instructions of one step (all but UNTRACED kinds); on GPU with events, read after the step ends (no
+    extra syncs)."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank, self.cuda = rank, device.type == "cuda"
@@ -138,3 +140,9 @@ def save_perfetto(spans: Sequence[Span], path: str | Path) -> None:
 def render_spans(spans: Sequence[Span], *, width: int = 96) -> str:
     """Measured timeline as text, time to scale in `width` columns (`schedules.render_ascii`)."""
     return schedules.render_ascii(timeline(spans), width=width)
+
+
+def traced_instrs(instrs: Sequence[Instr]) -> list[Instr]:
+    """The instructions of a program that a traced step has a Span for, in order (one rank's spans, in order,
+    are one per instruction of this list where no hook skipped one)."""
+    return [i for i in instrs if i.kind not in UNTRACED]

@@ -298,3 +298,44 @@ def test_against_programs_sets_the_step_beside_its_programs(traced: tuple) -> No
         assert cells[6] == "-"  # on CPU the host is the device: no lead recorded
     sims = [float(x) for x in re.findall(r"([0-9.]+) ms", lines[4])]
     assert lines[4].startswith("simulated: from the start-up programs") and sims[0] == sims[1] > 0
+    step.profile = from_spans(spans, programs)
+    try:
+        beside = report.beside_receives(step, spans).splitlines()
+    finally:
+        step.profile = None
+    for r, line in zip((0, 1), beside[2:4]):  # a real step's spans are one per instruction: every compute counted
+        cells = line.split()
+        computes = sum(1 for i in programs[r].instrs if i.kind in COMPUTE)
+        assert int(cells[0]) == r and int(cells[1]) + int(cells[3]) == computes
+
+
+def test_beside_receives_splits_computes_by_a_receive_still_waiting() -> None:
+    """Rank 0 posts a receive at 0 whose reader (stage 1's forward) has its data at 25 ms: the two stage-0
+    forwards it ran beside (10 ms each, 8 ms at start-up: 1.25 x) against the reader itself (10 ms, as at
+    start-up: 1.0 x). Rank 1's spans are not one per instruction: its row says so."""
+    from engine.execution.profile import Profile, ProgramCost
+    from engine.execution.program import CommOp, Instr
+
+    instrs = [Instr("comm", comm=(CommOp("recv", "act", 1, 0, 1, ("a0",)),)),
+              Instr("forward", 0, 0, reads=("x0",), writes=("h0",)),
+              Instr("forward", 0, 1, reads=("x1",), writes=("h1",)),
+              Instr("forward", 1, 0, reads=("a0",), writes=("y0",))]
+    spans = [Span(0, "comm recvA0", "comm", -1, -1, 0.0, 0.001),
+             Span(0, "0F0", "forward", 0, 0, 0.001, 0.011, 0.001),
+             Span(0, "0F1", "forward", 0, 1, 0.011, 0.021, 0.011),
+             Span(0, "1F0", "forward", 1, 0, 0.021, 0.035, 0.025),
+             Span(1, "2F0", "forward", 2, 0, 0.0, 0.01, 0.0)]
+
+    class Programs:
+        def all(self) -> list:  # type: ignore[type-arg]
+            return [type("P", (), {"instrs": instrs})(),
+                    type("P", (), {"instrs": instrs})()]
+
+    class Step:
+        programs = Programs()
+        profile = Profile([ProgramCost(0, "forward", (), 0.008, None), ProgramCost(1, "forward", (), 0.010, None)])
+
+    assert report.beside_receives(type("S", (), {"profile": None})(), spans) is None
+    lines = report.beside_receives(Step(), spans).splitlines()
+    assert lines[2].split() == ["0", "2", "1.250", "1", "1.000"]
+    assert lines[3].split() == ["1", "-", "-", "-", "-"]
