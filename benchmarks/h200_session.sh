@@ -19,12 +19,14 @@
 #   bash benchmarks/h200_session.sh fourcheck # 4 GPUs: gated receives' equivalence over NCCL, the same plan started
 #                                             # three times in one process (restarts.py), one traced zbv step with
 #                                             # the SM clock and power sampled every 10 ms beside it
+#   bash benchmarks/h200_session.sh resnet    # 2 GPUs (issue #24): ResNet-101x4, DDP and fnpipe fx / inductor on a fresh
+#                                             # calibration (the median program scale), then both on one GPU
 #   bash benchmarks/h200_session.sh schedlib  # 2 GPUs: the schedule library beside PyTorch's same-named schedules,
 #                                             # schedule="auto", and the dualpipev overlap trace (4 GPUs: P=4 too)
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourwhy|fourcheck|fourdp|fourall|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourwhy|fourcheck|fourdp|fourall|resnet|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -106,6 +108,14 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       bench 420 4 29517 --budget 400 --families "$families" --dp 2 --calibrate "$cal" --schedules 1f1b,zb-h1 \
         --compilers auto,fx --torch-eager "" --torch-compiled 1f1b --torch-risky "" --one-gpu-layers 0 --out-dir "$out/dp2"
       ;;
+    resnet)  # 2 GPUs: the planner against the ResNet rows, calibrated afresh in the first launch
+      export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
+      rm -f "$cal/resnet.json"
+      timeout 300 torchrun --nproc_per_node 2 --master-port 29523 benchmarks/resnet_bench.py --model resnet101x4 \
+        --rows fnpipe,ddp --compiler fx,inductor --calibrate "$cal/resnet.json" --steps 5 --json "$out/resnet2.json"
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/resnet_bench.py --model resnet101x4 --rows fnpipe \
+        --compiler fx,inductor --calibrate "$cal/resnet.json" --steps 5 --json "$out/resnet1.json"
+      ;;
     schedlib)  # 2 GPUs (4 when present): the schedule library beside PyTorch's same-named schedules, then the dualpipev trace
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
       bench 400 2 29521 --budget 370 --families "$families" --calibrate "$cal" --one-gpu-layers 0 --timeout 240 \
@@ -115,7 +125,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
         --risky-timeout 60 --out-dir "$out/schedlib"
       OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
       ;;
-    *) echo "unknown part $part (two, one, profile, examples, four, fourwhy, fourdp, fourall or schedlib)"; exit 2 ;;
+    *) echo "unknown part $part (two, one, profile, examples, four, fourwhy, fourcheck, fourdp, fourall, resnet or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"
