@@ -180,24 +180,27 @@ def beside_receives(step: Any, spans: Sequence[Span]) -> str | None:
     if profile is None:
         return None
     programs = step.programs.all()
-    rows = []
-    for r in sorted({s.rank for s in spans}):
-        mine, instrs = [s for s in spans if s.rank == r], traced_instrs(programs[r].instrs)
-        if len(mine) != len(instrs):
-            rows.append([str(r), "-", "-", "-", "-"])
-            continue
-        waits = _receives_waiting(instrs, mine)
-        split: tuple[list[float], list[float]] = ([], [])
-        for ins, sp in zip(instrs, mine):
-            cost = profile.of((ins.stage, ins.kind, ins.accumulated())) if ins.kind in COMPUTE else None
-            if cost is None or cost.seconds <= 0 or sp.busy <= 0:
-                continue
-            beside = covered_seconds(waits, sp.end - sp.busy, sp.end) >= sp.busy / 2
-            split[0 if beside else 1].append(sp.busy / cost.seconds)
-        rows.append([str(r), *(cell for ratios in split for cell in (str(len(ratios)), _median(ratios)))])
+    rows = [_beside_row(r, [s for s in spans if s.rank == r], traced_instrs(programs[r].instrs), profile)
+            for r in sorted({s.rank for s in spans})]
     return "\n".join(["computes beside a receive still waiting for its data, against the others (in-step / start-up "
                       "time)"] + _table(["rank", "beside a receive: computes", "median ratio", "beside none: computes",
                                          "median ratio"], rows))
+
+
+def _beside_row(rank: int, mine: Sequence[Span], instrs: Sequence[Any], profile: Any) -> list[str]:
+    """One rank's row of `beside_receives`: its computes beside a waiting receive and beside none, each with the
+    median of their in-step over start-up seconds ("-" throughout where spans and instructions do not pair)."""
+    if len(mine) != len(instrs):
+        return [str(rank), "-", "-", "-", "-"]
+    waits = _receives_waiting(instrs, mine)
+    split: tuple[list[float], list[float]] = ([], [])
+    for ins, sp in zip(instrs, mine):
+        cost = profile.of((ins.stage, ins.kind, ins.accumulated())) if ins.kind in COMPUTE else None
+        if cost is None or cost.seconds <= 0 or sp.busy <= 0:
+            continue
+        beside = covered_seconds(waits, sp.end - sp.busy, sp.end) >= sp.busy / 2
+        split[0 if beside else 1].append(sp.busy / cost.seconds)
+    return [str(rank), *(cell for ratios in split for cell in (str(len(ratios)), _median(ratios)))]
 
 
 def _receives_waiting(instrs: Sequence[Any], spans: Sequence[Span]) -> list[tuple[float, float]]:
