@@ -204,19 +204,28 @@ def _beside_row(rank: int, mine: Sequence[Span], instrs: Sequence[Any], profile:
 
 
 def _receives_waiting(instrs: Sequence[Any], spans: Sequence[Span]) -> list[tuple[float, float]]:
-    """(posted, data there) of each receive in one rank's program: its comm span's start, and the `ready` (else
-    the start) of the first compute after it that reads one of its buffers."""
+    """(posted, data there) of each receive in one rank's program (a comm instruction may post several): its comm
+    span's start, and when the first instruction after it that reads one of its buffers had it: a compute's
+    `ready` (else its start), another instruction's end (a send of a buffer passed through waits inside it)."""
     waits = []
     for k, ins in enumerate(instrs):
-        bufs = {b for op in ins.comm if op.op == "recv" for b in op.bufs}
-        if not bufs:
-            continue
-        reader = next((j for j in range(k + 1, len(instrs))
-                       if instrs[j].kind in COMPUTE and bufs & set(instrs[j].reads)), None)
-        if reader is not None:
-            there = spans[reader].ready if spans[reader].ready is not None else spans[reader].start
-            waits.append((spans[k].start, there))
+        for op in (op for op in ins.comm if op.op == "recv"):
+            bufs = set(op.bufs)
+            reader = next((j for j in range(k + 1, len(instrs)) if bufs & set(_reads_of(instrs[j]))), None)
+            if reader is not None:
+                waits.append((spans[k].start, _had_data(instrs[reader], spans[reader])))
     return waits
+
+
+def _reads_of(ins: Any) -> tuple[str, ...]:
+    """The buffers an instruction reads: a compute's `reads`, a comm instruction's sent buffers."""
+    return ins.reads + tuple(b for op in ins.comm if op.op == "send" for b in op.bufs)
+
+
+def _had_data(ins: Any, span: Span) -> float:
+    if ins.kind in COMPUTE:
+        return span.ready if span.ready is not None else span.start
+    return span.end
 
 
 def covered_seconds(intervals: Sequence[tuple[float, float]], start: float, end: float) -> float:

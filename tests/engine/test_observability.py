@@ -310,32 +310,35 @@ def test_against_programs_sets_the_step_beside_its_programs(traced: tuple) -> No
 
 
 def test_beside_receives_splits_computes_by_a_receive_still_waiting() -> None:
-    """Rank 0 posts a receive at 0 whose reader (stage 1's forward) has its data at 25 ms: the two stage-0
-    forwards it ran beside (10 ms each, 8 ms at start-up: 1.25 x) against the reader itself (10 ms, as at
-    start-up: 1.0 x). Rank 1's spans are not one per instruction: its row says so."""
+    """Rank 0 posts two receives in one comm instruction at 0: stage 1's activation, there for its forward at
+    25 ms, and stage 0's grad, there for its backward at 40 ms. The two stage-0 forwards (10 ms each, 8 ms at
+    start-up: 1.25 x) and stage 1's forward (25-35 ms, as at start-up: 1.0 x) ran beside a waiting receive, the
+    backward (40-50 ms, 5 ms at start-up: 2.0 x) beside none. Rank 1's spans are not one per instruction."""
     from engine.execution.profile import Profile, ProgramCost
     from engine.execution.program import CommOp, Instr
 
-    instrs = [Instr("comm", comm=(CommOp("recv", "act", 1, 0, 1, ("a0",)),)),
+    instrs = [Instr("comm", comm=(CommOp("recv", "act", 1, 0, 1, ("a0",)), CommOp("recv", "grad", 0, 1, 1, ("g1",)))),
               Instr("forward", 0, 0, reads=("x0",), writes=("h0",)),
               Instr("forward", 0, 1, reads=("x1",), writes=("h1",)),
-              Instr("forward", 1, 0, reads=("a0",), writes=("y0",))]
-    spans = [Span(0, "comm recvA0", "comm", -1, -1, 0.0, 0.001),
+              Instr("forward", 1, 0, reads=("a0",), writes=("y0",)),
+              Instr("backward_input", 0, 1, reads=("g1", "h1"), writes=("d1",))]
+    spans = [Span(0, "comm recvA0,recvG1", "comm", -1, -1, 0.0, 0.001),
              Span(0, "0F0", "forward", 0, 0, 0.001, 0.011, 0.001),
              Span(0, "0F1", "forward", 0, 1, 0.011, 0.021, 0.011),
              Span(0, "1F0", "forward", 1, 0, 0.021, 0.035, 0.025),
+             Span(0, "0B1", "backward_input", 0, 1, 0.035, 0.050, 0.040),
              Span(1, "2F0", "forward", 2, 0, 0.0, 0.01, 0.0)]
 
     class Programs:
         def all(self) -> list:  # type: ignore[type-arg]
-            return [type("P", (), {"instrs": instrs})(),
-                    type("P", (), {"instrs": instrs})()]
+            return [type("P", (), {"instrs": instrs})(), type("P", (), {"instrs": instrs})()]
 
     class Step:
         programs = Programs()
-        profile = Profile([ProgramCost(0, "forward", (), 0.008, None), ProgramCost(1, "forward", (), 0.010, None)])
+        profile = Profile([ProgramCost(0, "forward", (), 0.008, None), ProgramCost(1, "forward", (), 0.010, None),
+                           ProgramCost(0, "backward_input", (), 0.005, None)])
 
     assert report.beside_receives(type("S", (), {"profile": None})(), spans) is None
     lines = report.beside_receives(Step(), spans).splitlines()
-    assert lines[2].split() == ["0", "2", "1.250", "1", "1.000"]
+    assert lines[2].split() == ["0", "3", "1.250", "1", "2.000"]
     assert lines[3].split() == ["1", "-", "-", "-", "-"]
