@@ -12,7 +12,8 @@ For each row it prints `engine.report.compare` (each stage's measured F/B agains
 from `step.traced`), `engine.report.against_programs` (each rank's programs as timed at start-up against
 the same programs in the step, what it waited for receives, and the step simulated from either),
 `engine.report.beside_receives` (the same ratio for computes that ran beside a receive still waiting for its
-data, and for the others) and, from a
+data, and for the others), each program's kernels and span in a step against the same program timed in turn
+(`program_kernels.py`: slower kernels, or gaps between them) and, from a
 `torch.profiler` trace of one step on each rank: the step's wall time, the time some compute kernel runs
 (union), the sum of kernel times against the rank's programs at start-up, the NCCL kernel time, the GPU's
 idle time, the host-side synchronising calls (cudaStreamSynchronize, cudaDeviceSynchronize,
@@ -42,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine
+from benchmarks import program_kernels
 from benchmarks.families import family
 from engine import report
 from engine.execution.profile import KIND
@@ -79,6 +81,32 @@ def kernel_stats(path: Path, wall_us: float) -> dict[str, Any]:
             "idle_ms": (span[1] - span[0] - union(comp + nccl)) / 1e3, "kernels": len(comp),
             "syncs": dict(syncs), "sync_ms": sync_us / 1e3,
             "top": [(n, round(d / 1e3, 2)) for n, d in by_name.most_common(8)]}
+
+
+def by_program(step: Any, local: Any, batch: tuple, stem: Path) -> str:
+    """One step profiled with each compute named by its program, then the programs timed in turn under the
+    profiler too (`profile_programs`, a collective; the step keeps its first profile): their kernels side by
+    side (`benchmarks/program_kernels.py`)."""
+    cuda = step.world.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])  # CPU: no kernels, an empty table
+    step.executor.annotate = True
+    try:
+        with profile(activities=activities) as prof:
+            step(local, *batch)
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        step.executor.annotate = False
+    prof.export_chrome_trace(f"{stem}_step.json")
+    first = step.profile
+    with profile(activities=activities) as prof:
+        step.profile_programs(*batch, passes=1)
+        if cuda:
+            torch.cuda.synchronize()
+    step.profile = first
+    prof.export_chrome_trace(f"{stem}_in_turn.json")
+    events = [json.loads(Path(f"{stem}_{part}.json").read_text()).get("traceEvents", []) for part in ("step", "in_turn")]
+    return program_kernels.compare(program_kernels.ranges(events[0]), program_kernels.ranges(events[1]))
 
 
 def llm_case(name: str, size: str, m: int, mb: int, dtype: torch.dtype, device: torch.device):
@@ -181,6 +209,7 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
         wall = (time.perf_counter() - t) * 1e6
     prof.export_chrome_trace(str(path))
     stats = kernel_stats(path, wall) if cuda else {"wall_ms": wall / 1e3}
+    stats["by_program"] = by_program(step, local, batch, out / f"diag_{label}_{compiler}_named_rank{world.rank}")
     stats["rank"] = world.rank
     stats["prog_compute_ms"] = program_compute_ms(step)
     gathered = step.transport.all_gather_json(stats)
@@ -243,6 +272,11 @@ def main() -> int:
                       f"{r['predicted_s']:.4f} | {r['measured_s'] / r['predicted_s']:.3f} | {m_prog} | "
                       f"{k['rank']} | {k['wall_ms']:.1f} | {k.get('compute_ms', 0):.1f} | {ks:.1f} | {k_prog} | "
                       f"{k.get('nccl_ms', 0):.1f} | {k.get('idle_ms', 0):.1f} | {k.get('syncs', {})} |")
+        for r in rows:
+            for k in r["ranks"]:
+                if k.get("by_program"):
+                    print(f"\n{r['label']} {r['compiler']} rank {k['rank']}: each program's kernels in the step against "
+                          f"the same program timed in turn\n{k['by_program']}")
         for r in rows:
             if r.get("remeasured"):
                 a = r["remeasured"]

@@ -1,6 +1,7 @@
 """The runtime: executes one rank's static Program, one small handler per instruction kind."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Iterator, Sequence
 
@@ -13,7 +14,7 @@ from .calls import Call, Groups, prepare
 from .compilers import COMPILERS, CompileLog, check_compiler, resolve  # noqa: F401 -- check_compiler re-exported
 from .emit import StageInfo
 from .packing import Layouts
-from .profile import Key, Profile, ProgramCost, faster_of, first_instructions, measure
+from .profile import Key, Profile, ProgramCost, faster_of, first_instructions, measure, program_label
 from .program import COMPUTE, Instr, Program
 from .spans import UNTRACED, Tracer
 from .transport import Transport
@@ -33,6 +34,7 @@ class Executor:
         self.compile = COMPILERS[self.compiler]
         self.compile_log = CompileLog()
         self.tracer: Tracer | None = None
+        self.annotate = False  # name each compute in a profiler trace (`profile.program_label`): diagnostics only
         self.parts: dict[tuple[int, str, tuple[int, ...]], Callable[..., Any]] = {}  # (stage, kind, accumulate)
         self.layouts = Layouts(infos)  # each transfer's messages (`packing`)
         self.groups: Groups = {}
@@ -62,16 +64,23 @@ class Executor:
         for ins in self.program.instrs:
             if self.hook is not None and self.hook(self, ins) == "skip":
                 continue
-            if tracer is not None and ins.kind not in UNTRACED:
-                opened = tracer.around(ins)
-                HANDLERS[ins.kind](self, ins)
-                tracer.close(opened)
-            else:
-                HANDLERS[ins.kind](self, ins)
+            with self._annotation(ins):
+                if tracer is not None and ins.kind not in UNTRACED:
+                    opened = tracer.around(ins)
+                    HANDLERS[ins.kind](self, ins)
+                    tracer.close(opened)
+                else:
+                    HANDLERS[ins.kind](self, ins)
         self._drain_sends()
         if tracer is not None:
             tracer.end_step()
         return self.loss, self.grads
+
+    def _annotation(self, ins: Instr) -> Any:
+        """A profiler range named by the compute's program (`program_label`) when `annotate` is on, else none."""
+        if not self.annotate or ins.kind not in COMPUTE:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(program_label((ins.stage, ins.kind, ins.accumulated())))
 
     def warmup(self, stages: Sequence[int], *, batch: dict[int, torch.Tensor] | None = None) -> None:
         """Run each local stage's programs (F, then B and W or BW as this rank's program does) once on

@@ -81,12 +81,27 @@ class Profile:
 Run = Callable[[], Any]
 
 
+def program_label(key: Key) -> str:
+    """A program's name in a profiler trace (`torch.profiler.record_function` around each timed run, and around
+    each compute of a step whose executor has `annotate` on): its stage, F / B / W / BW, and "+" where it adds
+    into grad accumulators, e.g. "3W+"."""
+    stage, kind, accumulate = key
+    return f"{stage}{KIND[kind]}{'+' if accumulate else ''}"
+
+
 def measure(runs: Sequence[tuple[Key, Run]], device: torch.device, *, reps: int = 3) -> tuple[ProgramCost, ...]:
     """Each program of `runs` (one stage's, already run once: compiled, kernels loaded) run again under the
-    allocator's peak counter, then all of them timed in turn (`in_turn`)."""
+    allocator's peak counter, then all of them timed in turn (`in_turn`), each named by `program_label`."""
     made = [_bytes_made(run, device) for _, run in runs]
-    seconds = in_turn([run for _, run in runs], Clock(device), reps)
+    seconds = in_turn([_named(program_label(key), run) for key, run in runs], Clock(device), reps)
     return tuple(ProgramCost(*key, seconds=t, peak_bytes=b) for (key, _), t, b in zip(runs, seconds, made))
+
+
+def _named(label: str, run: Run) -> Run:
+    def named() -> Any:
+        with torch.profiler.record_function(label):
+            return run()
+    return named
 
 
 def in_turn(runs: Sequence[Run], clock: Clock, reps: int) -> list[float]:

@@ -1,0 +1,97 @@
+"""Each stage program's kernels in a profiler trace: inside a step against timed in turn at start-up.
+
+A step run with `step.executor.annotate = True` under `torch.profiler` names each compute's range after its
+program (`engine.execution.profile.program_label`, e.g. "3W+"); `Step.profile_programs` names each timed run
+the same way. From a Chrome trace (`prof.export_chrome_trace`) `ranges` finds each named range's kernels (a
+kernel belongs to the range its launch call, runtime or driver API, fell in, matched through the trace's
+correlation ids; NCCL's kernels, on their own streams, are left out), their summed time and the range's device
+span (the first kernel's start to the last one's end). `compare` sets the programs of one rank's step beside the same
+programs timed in turn: the kernels' ratio says whether the kernels themselves ran slower in the step, the
+span's ratio beyond it that the device waited between them (gaps inside a program: the host, a stream wait).
+"""
+from __future__ import annotations
+
+import bisect
+import re
+import statistics
+from collections import defaultdict
+from typing import Any, Sequence
+
+import attrs
+
+LABEL = re.compile(r"^\d+(F|B|W|BW)\+?$")
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel, and cuLaunchKernel from Triton's kernels
+
+
+@attrs.frozen
+class Ranged:
+    """One run of a named program: its kernels' summed seconds, its device span and its kernel count."""
+
+    label: str
+    kernels_s: float
+    span_s: float
+    count: int
+
+
+def ranges(events: Sequence[dict[str, Any]]) -> list[Ranged]:
+    """Each run of a named program in a trace's events, in order (ranges that launched no kernel left out)."""
+    named = sorted((e for e in events if e.get("cat") == "user_annotation" and LABEL.match(e.get("name", ""))),
+                   key=lambda e: e["ts"])
+    launched = {e["args"]["correlation"]: e["ts"] for e in events  # Triton's launches are driver calls
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    starts = [e["ts"] for e in named]
+    kernels: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for k in (e for e in events if e.get("cat") == "kernel" and "nccl" not in e.get("name", "").lower()):
+        at = launched.get(k.get("args", {}).get("correlation"))
+        i = -1 if at is None else bisect.bisect_right(starts, at) - 1
+        if i >= 0 and at <= named[i]["ts"] + named[i].get("dur", 0):
+            kernels[i].append(k)
+    return [Ranged(e["name"], sum(k.get("dur", 0) for k in ks) / 1e6,
+                   (max(k["ts"] + k.get("dur", 0) for k in ks) - min(k["ts"] for k in ks)) / 1e6, len(ks))
+            for i, e in enumerate(named) if (ks := kernels.get(i))]
+
+
+def compare(in_step: Sequence[Ranged], in_turn: Sequence[Ranged]) -> str:
+    """Per program of the step (its label), the median run in the step beside the median run in turn: kernel
+    milliseconds, span milliseconds and their ratios; the last line sums the step's runs, each program's
+    in-turn median once per run in the step."""
+    step, turn = _by_label(in_step), _by_label(in_turn)
+    header = ("program", "runs", "kernels ms in turn", "in step", "ratio", "span ms in turn", "in step", "ratio")
+    rows, sums = [], [0.0, 0.0, 0.0, 0.0]
+    for label in sorted(step, key=_order):
+        mine, base = step[label], turn.get(label)
+        k_step, s_step = _median(mine, "kernels_s"), _median(mine, "span_s")
+        if base is None:
+            rows.append((label, str(len(mine)), "-", _ms(k_step), "-", "-", _ms(s_step), "-"))
+            continue
+        k_turn, s_turn = _median(base, "kernels_s"), _median(base, "span_s")
+        rows.append((label, str(len(mine)), _ms(k_turn), _ms(k_step), f"{k_step / k_turn:.3f}", _ms(s_turn),
+                     _ms(s_step), f"{s_step / s_turn:.3f}"))
+        sums[0] += k_turn * len(mine)
+        sums[1] += sum(r.kernels_s for r in mine)
+        sums[2] += s_turn * len(mine)
+        sums[3] += sum(r.span_s for r in mine)
+    if sums[0] > 0 and sums[2] > 0:
+        rows.append(("all", str(sum(len(v) for v in step.values())), _ms(sums[0]), _ms(sums[1]),
+                     f"{sums[1] / sums[0]:.3f}", _ms(sums[2]), _ms(sums[3]), f"{sums[3] / sums[2]:.3f}"))
+    return "\n".join(["  ".join(header)] + ["  ".join(c.rjust(len(h)) for c, h in zip(r, header)) for r in rows])
+
+
+def _by_label(runs: Sequence[Ranged]) -> dict[str, list[Ranged]]:
+    out: dict[str, list[Ranged]] = defaultdict(list)
+    for r in runs:
+        out[r.label].append(r)
+    return out
+
+
+def _median(runs: Sequence[Ranged], field: str) -> float:
+    return statistics.median(getattr(r, field) for r in runs)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _order(label: str) -> tuple[int, str]:
+    stage = re.match(r"\d+", label)
+    return int(stage.group()) if stage else -1, label
