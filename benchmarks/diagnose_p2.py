@@ -89,6 +89,7 @@ def by_program(step: Any, local: Any, batch: tuple, stem: Path) -> str:
     side (`benchmarks/program_kernels.py`)."""
     cuda = step.world.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])  # CPU: no kernels, an empty table
+    barrier()
     step.executor.annotate = True
     try:
         with profile(activities=activities) as prof:

@@ -1,6 +1,7 @@
 """`engine.report.beside_receives` on a traced step saved by `diagnose_p2.py` (its `spans_*.json`), offline.
 
-    python benchmarks/pending_receives.py benchmarks/results/2026-11-26-s13/call1-fourcheck/spans_gpt_auto_zbv.json
+    python benchmarks/pending_receives.py \
+        benchmarks/results/2026-11-26-s13/call1-fourcheck/spans_gpt_auto_zbv.json
 
 The saved spans carry no program, so a receive is matched to its reader by what it carries and its microbatch:
 `recvA<mb>` to the rank's next forward of that microbatch on a stage that receives activations (not stage 0),

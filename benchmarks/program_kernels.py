@@ -37,15 +37,15 @@ def ranges(events: Sequence[dict[str, Any]]) -> list[Ranged]:
     """Each run of a named program in a trace's events, in order (ranges that launched no kernel left out)."""
     named = sorted((e for e in events if e.get("cat") == "user_annotation" and LABEL.match(e.get("name", ""))),
                    key=lambda e: e["ts"])
-    launched = {e["args"]["correlation"]: e["ts"] for e in events  # Triton's launches are driver calls
+    launched = {e["args"]["correlation"]: (e["ts"], e.get("tid")) for e in events  # Triton's: driver calls
                 if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
     starts = [e["ts"] for e in named]
     kernels: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for k in (e for e in events if e.get("cat") == "kernel" and "nccl" not in e.get("name", "").lower()):
-        at = launched.get(k.get("args", {}).get("correlation"))
+        at, tid = launched.get(k.get("args", {}).get("correlation"), (None, None))
         i = -1 if at is None else bisect.bisect_right(starts, at) - 1
-        if i >= 0 and at <= named[i]["ts"] + named[i].get("dur", 0):
-            kernels[i].append(k)
+        if i >= 0 and at <= named[i]["ts"] + named[i].get("dur", 0) and tid == named[i].get("tid"):
+            kernels[i].append(k)  # launched inside the range, by its thread
     return [Ranged(e["name"], sum(k.get("dur", 0) for k in ks) / 1e6,
                    (max(k["ts"] + k.get("dur", 0) for k in ks) - min(k["ts"] for k in ks)) / 1e6, len(ks))
             for i, e in enumerate(named) if (ks := kernels.get(i))]
@@ -53,11 +53,11 @@ def ranges(events: Sequence[dict[str, Any]]) -> list[Ranged]:
 
 def compare(in_step: Sequence[Ranged], in_turn: Sequence[Ranged]) -> str:
     """Per program of the step (its label), the median run in the step beside the median run in turn: kernel
-    milliseconds, span milliseconds and their ratios; the last line sums the step's runs, each program's
-    in-turn median once per run in the step."""
+    milliseconds, span milliseconds and their ratios; the last line sums the step's runs of the programs timed
+    in turn, each program's in-turn median once per run in the step."""
     step, turn = _by_label(in_step), _by_label(in_turn)
     header = ("program", "runs", "kernels ms in turn", "in step", "ratio", "span ms in turn", "in step", "ratio")
-    rows, sums = [], [0.0, 0.0, 0.0, 0.0]
+    rows, sums, runs = [], [0.0, 0.0, 0.0, 0.0], 0
     for label in sorted(step, key=_order):
         mine, base = step[label], turn.get(label)
         k_step, s_step = _median(mine, "kernels_s"), _median(mine, "span_s")
@@ -67,12 +67,13 @@ def compare(in_step: Sequence[Ranged], in_turn: Sequence[Ranged]) -> str:
         k_turn, s_turn = _median(base, "kernels_s"), _median(base, "span_s")
         rows.append((label, str(len(mine)), _ms(k_turn), _ms(k_step), f"{k_step / k_turn:.3f}", _ms(s_turn),
                      _ms(s_step), f"{s_step / s_turn:.3f}"))
+        runs += len(mine)
         sums[0] += k_turn * len(mine)
         sums[1] += sum(r.kernels_s for r in mine)
         sums[2] += s_turn * len(mine)
         sums[3] += sum(r.span_s for r in mine)
     if sums[0] > 0 and sums[2] > 0:
-        rows.append(("all", str(sum(len(v) for v in step.values())), _ms(sums[0]), _ms(sums[1]),
+        rows.append(("all", str(runs), _ms(sums[0]), _ms(sums[1]),
                      f"{sums[1] / sums[0]:.3f}", _ms(sums[2]), _ms(sums[3]), f"{sums[3] / sums[2]:.3f}"))
     return "\n".join(["  ".join(header)] + ["  ".join(c.rjust(len(h)) for c, h in zip(r, header)) for r in rows])
 

@@ -33,13 +33,18 @@ def _trace(*parts: tuple[str, int, int, list[tuple[int, int]]]) -> list[dict]:
 
 
 def test_ranges_take_each_kernel_by_its_launch() -> None:
-    found = ranges(_trace(("0F", 0, 100, [(200, 300), (600, 100)]), ("1B+", 1000, 100, [(1100, 400)])))
-    assert found == [Ranged("0F", 400e-6, 500e-6, 2), Ranged("1B+", 400e-6, 400e-6, 1)]
+    """...and only a launch by the range's own thread: another thread's launch inside 0F's time is not 0F's."""
+    events = _trace(("0F", 0, 100, [(200, 300), (600, 100)]), ("1B+", 1000, 100, [(1100, 400)]))
+    events += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 50, "dur": 1, "tid": 7,
+                "args": {"correlation": 77}},
+               {"cat": "kernel", "name": "other", "ts": 700, "dur": 900, "args": {"correlation": 77}}]
+    assert ranges(events) == [Ranged("0F", 400e-6, 500e-6, 2), Ranged("1B+", 400e-6, 400e-6, 1)]
 
 
 def test_compare_sets_the_step_beside_the_programs_in_turn() -> None:
-    """0F: kernels 1.10 x, span 1.25 x in the step (two runs); 1B+ as in turn; the sum weights each program by
-    its runs in the step: kernels (2 x 0.44 + 0.4) / (2 x 0.4 + 0.4) = 1.0667, span (2 x 0.6 + 0.5) / 1.5."""
+    """0F: kernels 1.10 x, span 1.25 x in the step (two runs); 1B+ as in turn; 2W was not timed in turn; the sum
+    weights each timed program by its runs in the step: kernels (2 x 0.44 + 0.4) / (2 x 0.4 + 0.4) = 1.0667,
+    span (2 x 0.6 + 0.5) / (2 x 0.48 + 0.5)."""
     in_turn = [Ranged("0F", 0.4e-3, 0.48e-3, 3), Ranged("0F", 0.4e-3, 0.48e-3, 3), Ranged("1B+", 0.4e-3, 0.5e-3, 2)]
     in_step = [Ranged("0F", 0.44e-3, 0.6e-3, 3), Ranged("0F", 0.44e-3, 0.6e-3, 3), Ranged("1B+", 0.4e-3, 0.5e-3, 2),
                Ranged("2W", 0.1e-3, 0.1e-3, 1)]
@@ -47,7 +52,7 @@ def test_compare_sets_the_step_beside_the_programs_in_turn() -> None:
     assert lines[1] == ["0F", "2", "0.400", "0.440", "1.100", "0.480", "0.600", "1.250"]
     assert lines[2] == ["1B+", "1", "0.400", "0.400", "1.000", "0.500", "0.500", "1.000"]
     assert lines[3] == ["2W", "1", "-", "0.100", "-", "-", "0.100", "-"]
-    assert lines[4][:5] == ["all", "4", "1.200", "1.280", "1.067"] and lines[4][7] == f"{1.7 / 1.46:.3f}"
+    assert lines[4][:5] == ["all", "3", "1.200", "1.280", "1.067"] and lines[4][7] == f"{1.7 / 1.46:.3f}"
 
 
 def test_a_step_with_annotate_names_every_compute_in_the_trace(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -64,23 +64,23 @@ class Executor:
         for ins in self.program.instrs:
             if self.hook is not None and self.hook(self, ins) == "skip":
                 continue
-            with self._annotation(ins):
-                if tracer is not None and ins.kind not in UNTRACED:
-                    opened = tracer.around(ins)
-                    HANDLERS[ins.kind](self, ins)
-                    tracer.close(opened)
-                else:
-                    HANDLERS[ins.kind](self, ins)
+            if tracer is not None and ins.kind not in UNTRACED:
+                opened = tracer.around(ins)
+                HANDLERS[ins.kind](self, ins)
+                tracer.close(opened)
+            else:
+                HANDLERS[ins.kind](self, ins)
         self._drain_sends()
         if tracer is not None:
             tracer.end_step()
         return self.loss, self.grads
 
-    def _annotation(self, ins: Instr) -> Any:
-        """A profiler range named by the compute's program (`program_label`) when `annotate` is on, else none."""
-        if not self.annotate or ins.kind not in COMPUTE:
+    def _annotation(self, call: Call) -> Any:
+        """A profiler range named by the compute's program (`program_label`) when `annotate` is on, else none: the
+        program's run alone, as `measure` times it (not the zeroed accumulators or copies made before it)."""
+        if not self.annotate:
             return contextlib.nullcontext()
-        return torch.profiler.record_function(program_label((ins.stage, ins.kind, ins.accumulated())))
+        return torch.profiler.record_function(program_label((call.stage, call.kind, call.accumulate)))
 
     def warmup(self, stages: Sequence[int], *, batch: dict[int, torch.Tensor] | None = None) -> None:
         """Run each local stage's programs (F, then B and W or BW as this rank's program does) once on
@@ -185,7 +185,8 @@ class Executor:
             if pos in call.contiguous and not args[pos].is_contiguous():
                 args[pos] = args[pos].contiguous()
         accs = [self.accumulator(p) for p in call.grads]
-        outs = self._part(call.stage, call.kind, call.accumulate)(*args, *accs)
+        with self._annotation(call):
+            outs = self._part(call.stage, call.kind, call.accumulate)(*args, *accs)
         self.bufs.update((ref, outs[k]) for k, ref in call.writes)
 
     def _prepare(self, ins: Instr) -> Call:
