@@ -168,7 +168,7 @@ def beside_receives(step: Any, spans: Sequence[Span]) -> str | None:
     """Whether programs ran slower beside a posted receive: per rank in `spans`, its computes' in-step time over
     their start-up time (`step.profile`), the median for those that ran at least half their time while a
     receive this rank had posted still waited for its data, and for the others. A receive waits from its comm
-    instruction's start until the first compute that reads it has its inputs (`Span.ready`). An NCCL receive
+    instruction's start until the first instruction that reads it had its data (`_receives_waiting`). An NCCL receive
     posted before its sender holds SMs while it waits (`benchmarks/contention.py`: compute beside one ran
     1.37 x on an H100); the ones beside nothing show what else a step adds. None before `profile_programs`, and
     a rank's row is "-" where its spans are not one per traced instruction of its program (a hook skipped one).

@@ -34,9 +34,10 @@ from ir.device import rank_neutral
 
 log = logging.getLogger("engine.calibrate")
 ProgramCompiler = Callable[[ir.Graph, tuple[int, ...]], Callable[..., Any]]  # (graph, accumulate) -> runnable
-WARM_ROUNDS = 2  # untimed rounds before the programs are timed: the first makes every output anew, the second
-# still finds the previous round's outputs held (a round's outputs are freed only as the next overwrites them),
-# so the allocator grows on it too. Medians, not means: one slow round (an allocation, a hiccup) moves nothing
+WARM_ROUNDS = 2  # untimed rounds before the programs are timed (compiles, first allocations). The median timed
+# round is kept, not the mean: the first timed round starts on the device idled by the clock's sync and pays a
+# launch-bound program's launches in full (ResNet-101x4's fx forward on an H100, 2026-11-26: 41.8 ms, then
+# 26.4-27.7 ms; the mean planned every fx forward 1.5 x slow)
 
 
 def _describe(x: Any) -> Any:
