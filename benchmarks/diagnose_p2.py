@@ -106,8 +106,9 @@ def by_program(step: Any, local: Any, batch: tuple, stem: Path) -> str:
             torch.cuda.synchronize()
     step.profile = first
     prof.export_chrome_trace(f"{stem}_in_turn.json")
-    events = [json.loads(Path(f"{stem}_{part}.json").read_text()).get("traceEvents", []) for part in ("step", "in_turn")]
-    return program_kernels.compare(program_kernels.ranges(events[0]), program_kernels.ranges(events[1]))
+    step_events, turn_events = (json.loads(Path(f"{stem}_{part}.json").read_text()).get("traceEvents", [])
+                                for part in ("step", "in_turn"))
+    return program_kernels.compare(program_kernels.ranges(step_events), program_kernels.ranges(turn_events))
 
 
 def llm_case(name: str, size: str, m: int, mb: int, dtype: torch.dtype, device: torch.device):
@@ -276,8 +277,8 @@ def main() -> int:
         for r in rows:
             for k in r["ranks"]:
                 if k.get("by_program"):
-                    print(f"\n{r['label']} {r['compiler']} rank {k['rank']}: each program's kernels in the step against "
-                          f"the same program timed in turn\n{k['by_program']}")
+                    print(f"\n{r['label']} {r['compiler']} rank {k['rank']}: each program's kernels in the step "
+                          f"against the same program timed in turn\n{k['by_program']}")
         for r in rows:
             if r.get("remeasured"):
                 a = r["remeasured"]

@@ -310,7 +310,8 @@ def one_device_rows(b: Bench) -> None:
                                                   b.measure(grad_step(b), loss_of=float, label="grad",
                                                             across_ranks=False), 1)) if "grad" in wanted else None,
                 *[(f"fnpipe 1-stage {c}", lambda c=c: run_fnpipe(b, "1f1b", compiler=c, alone=True))
-                  for c in _items(b.args.compilers) if "fnpipe" in wanted and "-" not in c]]  # -fixed / -step: one stage has no split
+                  for c in _items(b.args.compilers)
+                  if "fnpipe" in wanted and "-" not in c]]  # -fixed / -step: one stage has no split to keep or redo
         for label, run in [r for r in rows if r is not None]:
             if b.guard.elapsed() + b.args.min_row > b.guard.budget:  # rank 0 alone: its own clock decides
                 b.rows.append({"framework": "skipped", "variant": label, "schedule": "1-gpu", "error": "out of budget"})

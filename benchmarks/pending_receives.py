@@ -6,9 +6,10 @@
 The saved spans carry no program, so a receive is matched to its reader by what it carries and its microbatch:
 `recvA<mb>` to the rank's next forward of that microbatch on a stage that receives activations (not stage 0),
 `recvG<mb>` to its next input-grad pass (or fused backward; stage 0's weight pass, as it has no input-grad pass)
-on a stage that receives grads (not the last), each reader taken once, in time order. A receive waits from its comm span's start until that
-reader has its data (`Span.ready`). Each compute's ratio is its in-step time over the start-up time of its
-program (the file's `profile`, the median where a stage's program was measured with and without accumulation).
+on a stage that receives grads (not the last), each reader taken once, in time order. A receive waits from its
+comm span's start until that reader has its data (`Span.ready`). Each compute's ratio is its in-step time over the
+start-up time of its program (the file's `profile`, the median where a stage's program was measured with and
+without accumulation).
 """
 from __future__ import annotations
 
