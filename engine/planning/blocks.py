@@ -161,8 +161,8 @@ def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: in
         cuts += profile_cuts(cross, set(cuts), min_blocks - 1 - len(cuts))
     bounds = _merge_to([0, *sorted(cuts), n], times, max(max_blocks, 1))
     b_times, w_times = backward_estimates(g, times)
-    back = model.backward_ratio  # the calibration's backward program scale over its forward one
-    b_times, w_times = [t * back for t in b_times], [t * back for t in w_times]
+    back = [model.backward_ratio if model.calibrated(e) else 1.0 for e in g.eqns]  # calibrated: the backward scale
+    b_times, w_times = [t * x for t, x in zip(b_times, back)], [t * x for t, x in zip(w_times, back)]
     scales = model.eqn_scales(g)  # the stage programs' measured / planned seconds, where they were measured
     acc_scale = [1.0] * (len(bounds) - 1)
     if scales is not None:
@@ -174,7 +174,7 @@ def coarsen(g: ir.Graph, model: CostModel, *, fine: bool = False, min_blocks: in
         bounds=tuple(bounds),
         forward=_sums(times, bounds),
         backward_input=_sums(b_times, bounds),
-        backward_weight=tuple(w + back * x * model.params_accumulate_time(g, ps) for w, ps, x in
+        backward_weight=tuple(w + x * model.params_accumulate_time(g, ps) for w, ps, x in
                               zip(_sums(w_times, bounds), _block_params(reads, bounds), acc_scale)),
         flops=tuple(int(x) for x in _sums([ir.eqn_cost(e).flops for e in g.eqns], bounds)),
         saved=tuple(int(x) for x in _sums(_saved_estimate(g, times), bounds)),

@@ -3,7 +3,8 @@
 An equation takes `launch + max(flops / achievable FLOP/s, bytes / achievable bandwidth)` with FLOPs
 and bytes from `ir.eqn_cost`; view-like equations are free. Where a calibration table holds the op's
 signature (op, shapes, dtypes, constant args), the measured time wins, times the table's program scale
-(how much longer whole programs ran than their ops timed alone). Each weight grad is added into
+(how much longer whole programs ran than their ops timed alone: the forward one, or in B and W the backward
+one; a roofline time takes neither). Each weight grad is added into
 its accumulator once per microbatch (`accumulate_time`), charged to W. Before stage autodiff exists
 for a stage, its backward is estimated per forward equation: a matrix op costs one forward per matrix
 operand (2.5 forwards for attention), charged to B (input grads) when the operand depends on the batch and
@@ -58,8 +59,13 @@ class CostModel:
     @property
     def backward_ratio(self) -> float:
         """How much more than a forward op's a backward op's calibrated time is scaled (the calibration's
-        backward over forward program scale; 1 uncalibrated). Applied to whole B and W costs."""
+        backward over forward program scale; 1 uncalibrated). Only calibrated times take it (`eqn_time`,
+        `calibrated`): a roofline time has no program scale to correct."""
         return 1.0 if self.calibration is None else self.calibration.backward_ratio
+
+    def calibrated(self, e: ir.Eqn) -> bool:
+        """Whether the calibration table times `e` (its time then carries the program scales)."""
+        return self.calibration is not None and signature(e) in self.calibration.times
 
     def stage_scale(self, graph: ir.Graph, start: int, stop: int) -> tuple[float, float, float]:
         """The measured F, B, W ratios of equations [start, stop) of the microbatch graph ((1, 1, 1) unmeasured)."""
@@ -72,24 +78,26 @@ class CostModel:
         """Each equation's measured F, B, W ratio for the microbatch graph, or None (unmeasured, another graph)."""
         return None if self.measured is None else self.measured.per_eqn(len(graph.eqns))
 
-    def eqn_time(self, e: ir.Eqn) -> float:
-        """Predicted seconds for one equation; zero for views."""
+    def eqn_time(self, e: ir.Eqn, *, backward: bool = False) -> float:
+        """Predicted seconds for one equation; zero for views. A calibrated time carries the forward program
+        scale, or with `backward` the backward one."""
         cost = ir.eqn_cost(e)
         if cost.flops == 0 and cost.bytes == 0:
             return 0.0
         if self.calibration is not None:
             measured = self.calibration.times.get(signature(e))
             if measured is not None:
-                return measured * self.calibration.scale
+                return measured * _program_scale(self.calibration, backward)
         rate = self.device.flops_for(eqn_dtype(e), base_name(e.op) in MATRIX_OPS)
         return self.device.launch_overhead + max(cost.flops / rate, cost.bytes / self.device.bandwidth)
 
     def accumulate_time(self, aval: ir.AbstractValue) -> float:
-        """Seconds of the runtime's `acc.add_(grad)` for one weight grad (read both, write one)."""
+        """Seconds of the runtime's `acc.add_(grad)` for one weight grad (read both, write one), part of a
+        backward program: a calibrated time at the backward program scale."""
         if self.calibration is not None:
             measured = self.calibration.times.get(accumulate_signature(aval))
             if measured is not None:
-                return measured * self.calibration.scale
+                return measured * _program_scale(self.calibration, backward=True)
         return self.device.launch_overhead + 3 * aval.nbytes / self.device.bandwidth
 
     def params_accumulate_time(self, g: ir.Graph, params: Sequence[int]) -> float:
@@ -97,12 +105,14 @@ class CostModel:
         return sum(self.accumulate_time(g.inputs[p].aval) for p in params
                    if g.inputs[p].aval.dtype.is_floating_point)
 
-    def eqn_times(self, g: ir.Graph) -> list[float]:
-        return [self.eqn_time(e) for e in g.eqns]
 
-    def graph_time(self, g: ir.Graph) -> float:
-        """Predicted seconds to run every equation of `g` once, one after another."""
-        return sum(self.eqn_times(g))
+    def eqn_times(self, g: ir.Graph, *, backward: bool = False) -> list[float]:
+        return [self.eqn_time(e, backward=backward) for e in g.eqns]
+
+    def graph_time(self, g: ir.Graph, *, backward: bool = False) -> float:
+        """Predicted seconds to run every equation of `g` once, one after another (`backward`: as part of a
+        backward program, calibrated times at the backward program scale)."""
+        return sum(self.eqn_times(g, backward=backward))
 
     def comm_time(self, nbytes: int | float) -> float:
         """Seconds to send `nbytes` over the link (0 when nothing crosses)."""
@@ -159,3 +169,8 @@ def graph_hash(g: ir.Graph) -> str:
     (`ir.device.rank_neutral`: rank 1's factory ops print cuda:1, and its plan must equal rank 0's)."""
     text = str(g) + "\n" + "\n".join(f"{n}:{v.aval}" for n, v in zip(g.input_names, g.inputs))
     return hashlib.sha256(rank_neutral(text).encode()).hexdigest()
+
+
+def _program_scale(calibration: Calibration, backward: bool) -> float:
+    """What a calibrated op's time is multiplied by: the forward program scale, or the backward one."""
+    return calibration.scale * (calibration.backward_ratio if backward else 1.0)

@@ -143,13 +143,14 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentia
     cts = {s for s in ad.ct_slots if s is not None}
     after_b = set(w.in_slots) & (from_f | acts_in | cts) | b_to_w  # what waits for W once B is done
     fx, bx, wx = model.stage_scale(graph, stage.start, stage.stop)  # (1, 1, 1) unless programs were measured
-    back = model.backward_ratio  # the calibration's backward program scale over its forward one
     forward = model.graph_time(f.graph)
-    redo = forward if recompute is True else 0.0  # B redoes the forward: that part at the forward's scale
+    b_time = model.graph_time(b.graph, backward=True)  # calibrated ops at the backward program scale
+    if recompute is True:  # B redoes the forward: that part at the forward's scale
+        b_time += forward - model.graph_time(f.graph, backward=True)
     return StageCost(
-        start=stage.start, stop=stage.stop, forward=forward * fx,
-        backward_input=((model.graph_time(b.graph) - redo) * back + redo) * bx,
-        backward_weight=(model.graph_time(w.graph) + model.params_accumulate_time(graph, stage.param_ids)) * back * wx,
+        start=stage.start, stop=stage.stop, forward=forward * fx, backward_input=b_time * bx,
+        backward_weight=(model.graph_time(w.graph, backward=True)
+                         + model.params_accumulate_time(graph, stage.param_ids)) * wx,
         flops=sum(ir.eqn_cost(e).flops for e in g.eqns), params=tuple(stage.param_ids), param_bytes=nbytes,
         num_params=numel, saved_bytes=_slot_bytes(ad, from_f), b_to_w_bytes=_slot_bytes(ad, b_to_w),
         recv_bytes=sum(order[v].aval.nbytes for v in stage.acts_in),

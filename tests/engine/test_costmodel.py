@@ -217,7 +217,7 @@ def test_between_b_and_w_a_microbatch_holds_only_what_w_reads() -> None:
 def test_the_program_scale_is_measured_saved_and_multiplies_every_calibrated_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """calibrate_training times each op and each weight grad's accumulation, then runs the whole forward
     and backward on the real inputs and keeps measured / summed times; the cost model scales calibrated
-    times by it (roofline ones stay as they are)."""
+    times by it, the forward's or in a backward program the backward's (roofline ones stay as they are)."""
     from engine.planning.calibration import accumulate_signature, calibrate_training
 
     params = {"layers": [torch.randn(64, 64) for _ in range(3)]}
@@ -238,9 +238,13 @@ def test_the_program_scale_is_measured_saved_and_multiplies_every_calibrated_tim
     scaled = CostModel(get_device("cpu"), LINKS["loopback"], attrs.evolve(cal, scale=2.0))
     e = g.eqns[0]
     assert scaled.eqn_time(e) == pytest.approx(2 * plain.eqn_time(e))
-    assert scaled.accumulate_time(g.inputs[0].aval) == pytest.approx(2 * cal.times[accumulate_signature(g.inputs[0].aval)])
-    unknown = CostModel(get_device("cpu"), LINKS["loopback"], Calibration("cpu", {}, scale=3.0))
-    assert unknown.eqn_time(e) == CostModel(get_device("cpu"), LINKS["loopback"]).eqn_time(e)
+    # in a backward program (B, W, and the accumulation that W ends with) a calibrated time takes the backward scale
+    assert scaled.eqn_time(e, backward=True) == pytest.approx(cal.backward_scale * cal.times[signature(e)])
+    acc = accumulate_signature(g.inputs[0].aval)
+    assert scaled.accumulate_time(g.inputs[0].aval) == pytest.approx(cal.backward_scale * cal.times[acc])
+    unknown = CostModel(get_device("cpu"), LINKS["loopback"], Calibration("cpu", {}, scale=3.0, backward_scale=5.0))
+    roofline = CostModel(get_device("cpu"), LINKS["loopback"])
+    assert unknown.eqn_time(e) == unknown.eqn_time(e, backward=True) == roofline.eqn_time(e)  # no scale of either
 
 
 def test_weight_grad_accumulation_is_charged_to_w() -> None:
@@ -255,6 +259,29 @@ def test_weight_grad_accumulation_is_charged_to_w() -> None:
     w_graph = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs))).backward_weight.graph
     per_leaf = model.device.launch_overhead + 3 * 64 * 64 * 4 / model.device.bandwidth
     assert stage.backward_weight == pytest.approx(model.graph_time(w_graph) + 2 * per_leaf)
+
+
+def test_the_backward_scale_reaches_calibrated_ops_only() -> None:
+    """W's calibrated ops at the backward program scale (here 2); an op the table lacks, and the accumulations
+    (not in this table), at their roofline times, unscaled: the backward over forward ratio used to multiply all
+    of B and W, roofline times too."""
+    from engine.planning.calibration import calibrate, signature
+    from engine.planning.stage_costs import exact
+
+    params = {"layers": [torch.randn(64, 64) for _ in range(2)]}
+    g = _graph(_mlp, params, torch.randn(32, 64))
+    w_graph = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs))).backward_weight.graph
+    costly = [e for e in w_graph.eqns if ir.eqn_cost(e).flops or ir.eqn_cost(e).bytes]
+    times = dict(calibrate(w_graph, "cpu", repeats=1, calibration=calibrate(g, "cpu", repeats=1)).times)
+    left_out = costly[0]
+    del times[signature(left_out)]
+    model = CostModel(get_device("h100"), LINKS["nvlink"], Calibration("cpu", times, scale=1.0, backward_scale=2.0))
+    roofline = CostModel(get_device("h100"), LINKS["nvlink"])
+    expected = sum(2.0 * times[signature(e)] if signature(e) in times else roofline.eqn_time(e) for e in costly)
+    expected += roofline.params_accumulate_time(g, range(g.num_params))
+    (stage,) = exact(g, [], model)
+    assert stage.backward_weight == pytest.approx(expected, rel=1e-12)
+    assert len(costly) >= 2 and model.calibrated(costly[1]) and not model.calibrated(left_out)
 
 
 def test_a_program_too_large_for_the_device_leaves_the_scale_at_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
