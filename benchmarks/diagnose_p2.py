@@ -165,6 +165,23 @@ def remeasured(step: Any, batch: tuple, world: Any) -> dict[str, float] | None:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
 
 
+ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+             "num_ooms")  # the caching allocator's counters whose rise in a step means cudaMalloc, frees or syncs
+
+
+def allocator_delta(device: torch.device, run: Any) -> dict[str, int]:
+    """What the caching allocator did while `run()` ran (CUDA only): each counter of ALLOCATOR, after less
+    before. A retry frees every cached block (a device-wide sync); a device alloc or free is a cudaMalloc or
+    cudaFree, which the steps of a warmed-up job should not need."""
+    if device.type != "cuda":
+        run()
+        return {}
+    before = torch.cuda.memory_stats(device)
+    run()
+    after = torch.cuda.memory_stats(device)
+    return {k: int(after.get(k, 0) - before.get(k, 0)) for k in ALLOCATOR}
+
+
 def barrier() -> None:
     """A barrier over the job (a world of one has no process group)."""
     if dist.is_initialized():
@@ -194,7 +211,10 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
     if step.profile is None:  # parallelize measures the programs on CUDA only; here for against_programs too
         step.profile_programs(*batch)
     timed(step, local, batch, world.device, 3)
-    seconds = timed(step, local, batch, world.device, args.steps)
+    timings: list[float] = []
+    allocator = allocator_delta(world.device, lambda: timings.append(timed(step, local, batch, world.device,
+                                                                             args.steps)))
+    seconds = timings[0]
     again = remeasured(step, batch, world) if args.remeasure else None
     _, _, spans = step.traced(local, *batch)
     every = step.all_spans(spans)
@@ -213,6 +233,7 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
     stats = kernel_stats(path, wall) if cuda else {"wall_ms": wall / 1e3}
     stats["by_program"] = by_program(step, local, batch, out / f"diag_{label}_{compiler}_named_rank{world.rank}")
     stats["rank"] = world.rank
+    stats["allocator"] = allocator
     stats["prog_compute_ms"] = program_compute_ms(step)
     gathered = step.transport.all_gather_json(stats)
     row = {"label": label, "compiler": compiler, "measured_s": seconds,
@@ -279,6 +300,9 @@ def main() -> int:
                 if k.get("by_program"):
                     print(f"\n{r['label']} {r['compiler']} rank {k['rank']}: each program's kernels in the step "
                           f"against the same program timed in turn\n{k['by_program']}")
+        for r in rows:
+            print(f"{r['label']} {r['compiler']}: the caching allocator over the {args.steps} timed steps, per rank: "
+                  + "; ".join(f"{k['rank']}: {k.get('allocator', {})}" for k in r["ranks"]))
         for r in rows:
             if r.get("remeasured"):
                 a = r["remeasured"]

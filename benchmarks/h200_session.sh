@@ -13,9 +13,9 @@
 #   bash benchmarks/h200_session.sh four      # 4 GPUs: depth 4, both families, every schedule; the model on one GPU
 #   bash benchmarks/h200_session.sh fourdp    # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2
 #   bash benchmarks/h200_session.sh fourall   # 4 GPUs: depth 4 and DP2 x PP2, fnpipe's default only, in one command
-#   bash benchmarks/h200_session.sh fourwhy   # 4 GPUs: where zbv's step goes at depth 4 (diagnose_p2 with
-#                                             # report.against_programs and the programs re-timed after the
-#                                             # steps), then the depth-4 zbv table with the model on one GPU
+#   bash benchmarks/h200_session.sh fourwhy   # 4 GPUs: why programs run slower in a step than in turn: per
+#                                             # program kernels and span, allocator counters; GPT zbv at p = 4
+#                                             # and ResNet-101x4 1f1b at p = 2, each ungated and gated
 #   bash benchmarks/h200_session.sh fourcheck # 4 GPUs: gated receives' equivalence over NCCL, the same plan started
 #                                             # three times in one process (restarts.py), one traced zbv step with
 #                                             # the SM clock and power sampled every 10 ms beside it
@@ -80,13 +80,20 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       bench 230 4 29517 --budget 210 --families "$families" --dp 2 --calibrate "$cal" --schedules 1f1b --compilers auto \
         --torch-eager "" --torch-compiled 1f1b --torch-risky "" --one-gpu-layers 0 --out-dir "$out/dp2"
       ;;
-    fourwhy)  # 4 GPUs: why the zbv step runs over its programs' simulation (session 11: the programs themselves
-              # run 1.10-1.15 x slower inside the step), then the issue's depth-4 zbv table, calibrated
-      mkdir -p "$out/why" "$out/p4"
-      OUT="$out/why" timeout 200 torchrun --nproc_per_node 4 --master-port 29518 benchmarks/diagnose_p2.py \
-        --families "$families" --compilers auto --schedule zbv --timeout 240 --remeasure
-      bench 360 4 29519 --budget 340 --families "$families" --calibrate "$cal" --one-gpu-layers 16 --compilers auto \
-        --schedules zbv --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 --out-dir "$out/p4"
+    fourwhy)  # 4 GPUs: why programs run slower inside a step than timed in turn (NOTES.md, Open): each program's
+              # kernels and span in a step against in turn (program_kernels.py) and the caching allocator's
+              # counters over the timed steps; GPT zbv at p = 4 ungated then gated, then ResNet-101x4 1f1b at
+              # p = 2 on GPUs 0,1 (ungated) and 2,3 (gated) at once. Profiler traces stay on the machine.
+      why=/tmp/fnpipe_why; mkdir -p "$why"/{gpt,gpt_gated,resnet,resnet_gated} "$out/why"
+      diag() { OUT="$why/$1" timeout "$2" torchrun --nproc_per_node "$3" --master-port "$4" benchmarks/diagnose_p2.py \
+                 --compilers auto --timeout 240 "${@:5}" > "$out/why/$1.txt" 2>&1; echo "== $1: exit $?"; }
+      diag gpt 170 4 29518 --families "${families%%,*}" --schedule zbv
+      FNPIPE_GATED_RECV=1 diag gpt_gated 170 4 29519 --families "${families%%,*}" --schedule zbv
+      CUDA_VISIBLE_DEVICES=0,1 diag resnet 210 2 29522 --families resnet --schedule 1f1b &
+      CUDA_VISIBLE_DEVICES=2,3 FNPIPE_GATED_RECV=1 diag resnet_gated 210 2 29524 --families resnet --schedule 1f1b &
+      wait
+      for f in "$why"/*/spans_*.json; do [ -f "$f" ] && gzip -c "$f" > "$out/why/$(basename "$(dirname "$f")")_$(basename "$f").gz"; done
+      for f in "$out"/why/*.txt; do echo "==== $f"; grep -v -E "^\s+[0-9]+: |^\[W|UserWarning|warnings.warn" "$f" | tail -n 60; done
       ;;
     fourcheck)  # 4 GPUs: what session 12 left (benchmarks/NOTES.md, Open)
       FNPIPE_GATED_RECV=1 ENGINE_LOG_LEVEL_LAUNCH=INFO timeout 150 mpirun --allow-run-as-root -n 4 \
@@ -111,10 +118,11 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
     resnet)  # 2 GPUs: the planner against the ResNet rows, calibrated afresh in the first launch
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
       rm -f "$cal/resnet.json"
-      timeout 300 torchrun --nproc_per_node 2 --master-port 29523 benchmarks/resnet_bench.py --model resnet101x4 \
+      timeout 420 torchrun --nproc_per_node 2 --master-port 29523 benchmarks/resnet_bench.py --model resnet101x4 \
         --rows fnpipe,ddp --compiler fx,inductor --calibrate "$cal/resnet.json" --steps 5 --json "$out/resnet2.json"
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/resnet_bench.py --model resnet101x4 --rows fnpipe \
-        --compiler fx,inductor --calibrate "$cal/resnet.json" --steps 5 --json "$out/resnet1.json"
+      [ "${RESNET_ONE_GPU:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/resnet_bench.py \
+        --model resnet101x4 --rows fnpipe --compiler fx,inductor --calibrate "$cal/resnet.json" --steps 5 \
+        --json "$out/resnet1.json"
       ;;
     schedlib)  # 2 GPUs (4 when present): the schedule library beside PyTorch's same-named schedules, then the dualpipev trace
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}

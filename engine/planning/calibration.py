@@ -12,8 +12,9 @@ between them. Compiled programs (inductor) fuse ops, so their ops' sum says litt
 programs are compiled and timed too (at the "cheap" recompute level, as the planner plans stages for a fusing
 compiler), and `compiled[name]` / `compiled_backward[name]` keep their seconds over the ops' sum (below 1 where
 fusion pays). `for_compiler(name)` is the table the planner costs that compiler's programs with: every
-op's time scaled by it, so stages are balanced as they run. (One factor for the whole model: a stage
-whose ops fuse better or worse than the model's average is mispredicted by that difference.)
+op's time scaled by it, so stages are balanced as they run. One factor for the whole model would mispredict a
+stage whose ops fuse better or worse than the model's average, so each compiler's programs are also timed in a
+few spans of the model (`regions`, `engine.planning.regions`), which the cost model applies on top.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from torch.utils import _pytree as pytree
 
 import ir
 from ir.device import rank_neutral
+
+from .measured import MeasuredScale, Span
 
 log = logging.getLogger("engine.calibrate")
 ProgramCompiler = Callable[[ir.Graph, tuple[int, ...]], Callable[..., Any]]  # (graph, accumulate) -> runnable
@@ -85,6 +88,14 @@ class Calibration:
     compiled: Mapping[str, float] = attrs.field(factory=dict, converter=dict)  # compiler -> its forwards' scale
     backward_scale: float | None = None
     compiled_backward: Mapping[str, float] = attrs.field(factory=dict, converter=dict)  # and its backwards'
+    # compiler -> its programs' scale per span of the model over the whole model's (engine.planning.regions)
+    regions: Mapping[str, MeasuredScale] = attrs.field(factory=dict, converter=dict)
+    selected: str = "fx"  # the compiler `for_compiler` chose: `region` is its
+
+    @property
+    def region(self) -> MeasuredScale | None:
+        """The selected compiler's region scales (None if not measured)."""
+        return self.regions.get(self.selected)
 
     @property
     def backward_ratio(self) -> float:
@@ -97,7 +108,9 @@ class Calibration:
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "times": dict(sorted(self.times.items())), "scale": self.scale,
                            "compiled": dict(sorted(self.compiled.items())), "backward_scale": self.backward_scale,
-                           "compiled_backward": dict(sorted(self.compiled_backward.items()))})
+                           "compiled_backward": dict(sorted(self.compiled_backward.items())),
+                           "regions": {k: [r.num_eqns, [attrs.astuple(x) for x in r.spans]]
+                                       for k, r in sorted(self.regions.items())}})
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
@@ -105,17 +118,19 @@ class Calibration:
         back = d.get("backward_scale")
         return cls(d["device"], {k: float(v) for k, v in d["times"].items()}, float(d.get("scale", 1.0)),
                    {k: float(v) for k, v in d.get("compiled", {}).items()}, None if back is None else float(back),
-                   {k: float(v) for k, v in d.get("compiled_backward", {}).items()})
+                   {k: float(v) for k, v in d.get("compiled_backward", {}).items()},
+                   {k: MeasuredScale(int(n), [Span(*x) for x in spans]) for k, (n, spans) in d.get("regions", {}).items()})
 
     def for_compiler(self, name: str) -> Calibration:
         """The table as programs compiled by `name` run: its measured scales in place of fx's ("fx", or a
         compiler not measured yet: the table as it is, logged)."""
-        if name == "fx":
-            return self
-        if name not in self.compiled:
+        if name != "fx" and name not in self.compiled:
             log.warning("no %s programs were timed in this calibration: costing them as fx programs", name)
-            return self
-        return attrs.evolve(self, scale=self.compiled[name], backward_scale=self.compiled_backward.get(name))
+            name = "fx"
+        if name == "fx":
+            return self if self.selected == "fx" else attrs.evolve(self, selected="fx")
+        return attrs.evolve(self, scale=self.compiled[name], backward_scale=self.compiled_backward.get(name),
+                            selected=name)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -227,6 +242,7 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
         cal = cal.with_scale(program_scale(ad, g, dev, cal, inputs, repeats=repeats, compile_program=compile_program))
     scales = {} if fresh else dict(cal.compiled)
     backs = {} if fresh else dict(cal.compiled_backward)
+    regions = {} if fresh else dict(cal.regions)
     if any(name not in backs for name in compiled or {}):  # a fusing compiler's stages run the cheap level
         fused = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
                                   constant_outputs=range(1, len(g.outputs)), recompute="cheap")
@@ -236,7 +252,27 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
             scales[name], backs[name] = found.forward, found.backward
             log.info("calibration: %s programs run %.3f x (forward) and %.3f x (backward) their ops' calibrated sum",
                      name, found.forward, found.backward)
-    return attrs.evolve(cal, compiled=scales, compiled_backward=backs)
+    cal = attrs.evolve(cal, compiled=scales, compiled_backward=backs)
+    return attrs.evolve(cal, regions=_regions(g, dev, cal, inputs, regions, compile_program, compiled or {}))
+
+
+def _regions(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Sequence[torch.Tensor],
+             known: dict[str, MeasuredScale], fx: ProgramCompiler, compiled: Mapping[str, ProgramCompiler]
+             ) -> dict[str, MeasuredScale]:
+    """`known` with each compiler's region scales measured where missing (fx's programs at no recompute, a
+    fusing compiler's at the cheap level, as their whole-model scales are): `engine.planning.regions`."""
+    from .regions import region_scale  # regions costs spans with this module's tables
+
+    out = dict(known)
+    for name, compiler, level in (("fx", fx, False), *((n, c, "cheap") for n, c in compiled.items())):
+        if name in out:
+            continue
+        mine = cal.for_compiler(name)
+        whole = ProgramScale(mine.scale, mine.backward_scale if mine.backward_scale is not None else mine.scale)
+        found = region_scale(g, device, cal, inputs, whole, level=level, compile_program=compiler)
+        if found is not None:
+            out[name] = found
+    return out
 
 
 def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibration,
@@ -251,33 +287,52 @@ def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibr
     if len(inputs) != len(g.inputs):
         log.warning("program scale not measured: %d inputs for a graph of %d", len(inputs), len(g.inputs))
         return ProgramScale()
+    sums = ops_sums(ad, g, cal)
+    if sums is None:  # their roofline times are not what the scale would correct
+        log.warning("program scale not measured: some ops could not be timed alone")
+        return ProgramScale()
+    try:
+        f_run, b_run, _ = program_seconds(ad, device, inputs, sums.accumulate, sums.param_grads, max(repeats, 3),
+                                          compile_program)
+    except Exception as err:  # noqa: BLE001 -- e.g. out of memory: the op times are used as they are
+        log.warning("program scale not measured (op times used as they are): %s: %s", type(err).__name__, err)
+        return ProgramScale()
+    f_sum, b_sum = sums.forward, sums.backward
+    whole = (f_run + b_run) / (f_sum + b_sum) if f_sum + b_sum > 0 else 1.0
+    return ProgramScale(f_run / f_sum if f_sum > 0 else whole, b_run / b_sum if b_sum > 0 else whole)
+
+
+@attrs.frozen
+class OpsSums:
+    """A graph's programs (`ad`) as the calibration table costs them: the forward's timed ops summed, the fused
+    backward's with each weight grad's accumulation, the backward outputs added into accumulators
+    (`accumulate`) and each param's grad slot (`param_grads`: slot -> input position)."""
+
+    forward: float
+    backward: float
+    accumulate: tuple[int, ...]
+    param_grads: dict[int, int]
+
+
+def ops_sums(ad: ir.StageAD, g: ir.Graph, cal: Calibration) -> OpsSums | None:
+    """`OpsSums` of `ad`, the stage autodiff of `g`; None if some costly op of it was not timed alone."""
     fwd, bwd = ad.forward, ad.backward
     param_grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
     acc = tuple(k for k, slot in enumerate(bwd.out_slots) if slot in param_grads)
     f_keys = [signature(e) for e in fwd.graph.eqns if _costly(e)]
     b_keys = [signature(e) for e in bwd.graph.eqns if _costly(e)]
     b_keys += [accumulate_signature(g.inputs[param_grads[bwd.out_slots[k]]].aval) for k in acc]
-    missing = [k for k in (*f_keys, *b_keys) if k not in cal.times]
-    if missing:  # their roofline times are not what the scale would correct
-        log.warning("program scale not measured: %d of %d ops could not be timed alone", len(missing),
-                    len(f_keys) + len(b_keys))
-        return ProgramScale()
-    f_sum, b_sum = sum(cal.times[k] for k in f_keys), sum(cal.times[k] for k in b_keys)
-    try:
-        f_run, b_run = _program_seconds(ad, device, inputs, acc, param_grads, max(repeats, 3), compile_program)
-    except Exception as err:  # noqa: BLE001 -- e.g. out of memory: the op times are used as they are
-        log.warning("program scale not measured (op times used as they are): %s: %s", type(err).__name__, err)
-        return ProgramScale()
-    whole = (f_run + b_run) / (f_sum + b_sum) if f_sum + b_sum > 0 else 1.0
-    return ProgramScale(f_run / f_sum if f_sum > 0 else whole, b_run / b_sum if b_sum > 0 else whole)
+    if any(k not in cal.times for k in (*f_keys, *b_keys)):
+        return None
+    return OpsSums(sum(cal.times[k] for k in f_keys), sum(cal.times[k] for k in b_keys), acc, param_grads)
 
 
-def _program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
-                     param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler
-                     ) -> tuple[float, float]:
+def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
+                    param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler
+                    ) -> tuple[float, float, list[torch.Tensor]]:
     """Seconds a run of the forward and of the fused backward program, one after the other `repeats` times
     after WARM_ROUNDS untimed rounds, each timed on its own (CUDA events, or the host clock on CPU); the median
-    round of each (program_scale asks for at least three)."""
+    round of each (program_scale asks for at least three); and the forward's outputs (`ad.out_slots`)."""
     fwd, bwd = ad.forward, ad.backward
     slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
     slots.update((i, x.to(device)) for i, x in enumerate(inputs))
@@ -303,7 +358,7 @@ def _program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torc
     forwards, backwards = gaps[0::2], gaps[1::2]
     log.info("calibration: forward program %s ms, backward %s ms (each round; the medians are kept)",
              _ms(forwards), _ms(backwards))
-    return statistics.median(forwards), statistics.median(backwards)
+    return statistics.median(forwards), statistics.median(backwards), [slots[i] for i in ad.out_slots]
 
 
 def _ms(seconds: Sequence[float]) -> str:

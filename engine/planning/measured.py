@@ -66,3 +66,23 @@ class MeasuredScale:
 
     def __str__(self) -> str:
         return "; ".join(map(str, self.spans))
+
+
+def combined(first: MeasuredScale | None, then: MeasuredScale | None) -> MeasuredScale | None:
+    """The scale of costs scaled by `first` and then by `then` (each equation's ratios multiplied), as spans of
+    equal ratios: a calibration's region scales with a rebalance's stage ratios, which were measured against
+    plans costed with the regions. Either alone where the other is None or was measured on another graph (then
+    `then`, the later measurement, stands)."""
+    if first is None or then is None or first.num_eqns != then.num_eqns:
+        return then if then is not None else first
+    n = first.num_eqns
+    a, b = first.per_eqn(n), then.per_eqn(n)
+    assert a is not None and b is not None
+    ratios = [(a[0][i] * b[0][i], a[1][i] * b[1][i], a[2][i] * b[2][i]) for i in range(n)]
+    spans: list[Span] = []
+    for i, r in enumerate(ratios):
+        if spans and (spans[-1].forward, spans[-1].backward_input, spans[-1].backward_weight) == r:
+            spans[-1] = attrs.evolve(spans[-1], stop=i + 1)
+        else:
+            spans.append(Span(i, i + 1, *r))
+    return MeasuredScale(n, spans)

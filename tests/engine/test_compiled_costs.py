@@ -48,12 +48,13 @@ def measured() -> tuple:
         factor = {_twice: 2.0, ir.compile_graph: 1.5}.get(compile_program, 3.0)
         return ProgramScale(factor, 2 * factor)  # backwards: twice the forwards' scale
 
-    real = calibration.program_scale
+    real, regions = calibration.program_scale, calibration._regions
     calibration.program_scale = scripted
+    calibration._regions = lambda g, device, cal, inputs, known, fx, compiled: dict(known)  # tests/engine/test_regions.py
     try:
         cal = calibrate_training(g, "cpu", repeats=2, inputs=inputs, compiled={"twice": _twice})
     finally:
-        calibration.program_scale = real
+        calibration.program_scale, calibration._regions = real, regions
     return g, inputs, cal, asked, scripted
 
 
@@ -77,12 +78,13 @@ def test_scales_stand_until_ops_are_timed_again_and_a_new_compiler_is_measured_o
 
     g, inputs, cal, asked, scripted = measured
     real, calibration.program_scale = calibration.program_scale, scripted
+    regions, calibration._regions = calibration._regions, lambda g, device, cal, inputs, known, fx, compiled: dict(known)
     try:
         assert calibrate_training(g, "cpu", calibration=cal, inputs=inputs, compiled={"twice": _twice}) == cal
         n = len(asked)
         grown = calibrate_training(g, "cpu", calibration=cal, inputs=inputs, compiled={"other": lambda *a: None})
     finally:
-        calibration.program_scale = real
+        calibration.program_scale, calibration._regions = real, regions
     assert len(asked) == n + 1  # only the new compiler's programs ran
     assert grown.compiled == {"twice": 2.0, "other": 3.0} and grown.scale == cal.scale
     assert grown.compiled_backward == {"twice": 4.0, "other": 6.0} and grown.backward_scale == cal.backward_scale
@@ -153,7 +155,7 @@ def test_a_table_from_before_the_backward_scale_gets_it_measured(measured: tuple
 
 
 def test_forward_and_backward_programs_are_timed_apart() -> None:
-    """`_program_seconds` with a 'compiler' whose forward sleeps 10 ms and backward 30 ms a run."""
+    """`program_seconds` with a 'compiler' whose forward sleeps 10 ms and backward 30 ms a run."""
     import time
 
     from engine.planning import calibration as C
@@ -173,7 +175,7 @@ def test_forward_and_backward_programs_are_timed_apart() -> None:
 
     grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
     acc = tuple(k for k, slot in enumerate(ad.backward.out_slots) if slot in grads)
-    f, b = C._program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 3, slow)
+    f, b, _ = C.program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 3, slow)
     assert 0.0095 < f < 0.025 and 0.0295 < b < 0.05
 
 
@@ -205,6 +207,6 @@ def test_a_slow_first_round_does_not_set_the_program_time() -> None:
 
     grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
     acc = tuple(k for k, slot in enumerate(ad.backward.out_slots) if slot in grads)
-    f, _ = C._program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 5, first_slow)
+    f, _, _ = C.program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 5, first_slow)
     assert runs["forward"] == C.WARM_ROUNDS + 5
     assert 0.0095 < f < 0.016
