@@ -118,7 +118,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
     resnet)  # 2 GPUs: the planner against the ResNet rows, calibrated afresh in the first launch
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
       rm -f "$cal/resnet.json"
-      timeout 420 torchrun --nproc_per_node 2 --master-port 29523 benchmarks/resnet_bench.py --model resnet101x4 \
+      timeout "${RESNET_TIMEOUT:-420}" torchrun --nproc_per_node 2 --master-port 29523 benchmarks/resnet_bench.py --model resnet101x4 \
         --rows fnpipe,ddp --compiler fx,inductor --calibrate "$cal/resnet.json" --steps 5 --json "$out/resnet2.json"
       [ "${RESNET_ONE_GPU:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/resnet_bench.py \
         --model resnet101x4 --rows fnpipe --compiler fx,inductor --calibrate "$cal/resnet.json" --steps 5 \

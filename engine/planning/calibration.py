@@ -253,14 +253,15 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
             log.info("calibration: %s programs run %.3f x (forward) and %.3f x (backward) their ops' calibrated sum",
                      name, found.forward, found.backward)
     cal = attrs.evolve(cal, compiled=scales, compiled_backward=backs)
-    return attrs.evolve(cal, regions=_regions(g, dev, cal, inputs, regions, compile_program, compiled or {}))
+    return _regions(g, dev, cal, inputs, regions, compile_program, compiled or {})
 
 
 def _regions(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Sequence[torch.Tensor],
              known: dict[str, MeasuredScale], fx: ProgramCompiler, compiled: Mapping[str, ProgramCompiler]
-             ) -> dict[str, MeasuredScale]:
-    """`known` with each compiler's region scales measured where missing (fx's programs at no recompute, a
-    fusing compiler's at the cheap level, as their whole-model scales are): `engine.planning.regions`."""
+             ) -> Calibration:
+    """`cal` with `known` region scales and each compiler's measured where missing (fx's programs at no
+    recompute, a fusing compiler's at the cheap level, as their whole-model scales are), and the ops only a
+    region's programs have timed too: `engine.planning.regions`."""
     from .regions import region_scale  # regions costs spans with this module's tables
 
     out = dict(known)
@@ -269,10 +270,11 @@ def _regions(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Sequen
             continue
         mine = cal.for_compiler(name)
         whole = ProgramScale(mine.scale, mine.backward_scale if mine.backward_scale is not None else mine.scale)
-        found = region_scale(g, device, cal, inputs, whole, level=level, compile_program=compiler)
+        found, grown = region_scale(g, device, cal, inputs, whole, level=level, compile_program=compiler)
+        cal = attrs.evolve(cal, times=grown.times)
         if found is not None:
             out[name] = found
-    return out
+    return attrs.evolve(cal, regions=out)
 
 
 def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibration,

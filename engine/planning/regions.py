@@ -21,7 +21,7 @@ import torch
 import ir
 
 from .artifacts import autodiff
-from .calibration import Calibration, ProgramCompiler, ProgramScale, ops_sums, program_seconds, signature
+from .calibration import Calibration, ProgramCompiler, ProgramScale, calibrate, ops_sums, program_seconds, signature
 from .measured import MeasuredScale, Span
 
 log = logging.getLogger("engine.calibrate")
@@ -48,24 +48,28 @@ def region_cuts(times: Sequence[float], regions: int = REGIONS) -> list[int]:
 def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Sequence[torch.Tensor],
                  whole: ProgramScale, *, level: bool | str = False, repeats: int = 3,
                  compile_program: ProgramCompiler = ir.compile_graph,
-                 regions: int = REGIONS) -> MeasuredScale | None:
+                 regions: int = REGIONS) -> tuple[MeasuredScale | None, Calibration]:
     """Each region's (`region_cuts` of `g`'s calibrated forward times) measured over planned forward and
-    backward seconds, relative to `whole` (the whole model's scale for this compiler): None when the model is
-    too small to cut, a region's program cannot run here (logged), or its ops were not all timed alone."""
+    backward seconds, relative to `whole` (the whole model's scale for this compiler), and the table with the
+    ops a region's programs have and the whole model's lack timed too (a cut makes them: the input grad of a
+    region's first convolution, which the model's first one does not compute). None when the model is too small
+    to cut, a region's program cannot run here (logged), or some op of it cannot be timed alone."""
     times = [cal.times.get(signature(e), 0.0) for e in g.eqns]
     cuts = region_cuts(times, regions)
     if not cuts or len(inputs) != len(g.inputs):
-        return None
+        return None, cal
     values: dict[int, torch.Tensor] = {}  # crossing value id -> its tensor, from the region before
     spans = []
     try:
         for stage in ir.split(g, cuts):
             ad = autodiff(stage, level, device=str(device))
+            for part in (ad.forward, ad.backward):
+                cal = calibrate(part.graph, device, calibration=cal)
             sums = ops_sums(ad, stage.graph, cal)
             if sums is None:
-                log.warning("region scales not measured: some ops of equations %d:%d were not timed alone",
+                log.warning("region scales not measured: some ops of equations %d:%d could not be timed alone",
                             stage.start, stage.stop)
-                return None
+                return None, cal
             ins = [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)] + [values[v] for v in stage.acts_in]
             f_run, b_run, outs = program_seconds(ad, device, ins, sums.accumulate, sums.param_grads, repeats,
                                                  compile_program)
@@ -75,8 +79,8 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
             spans.append(Span(stage.start, stage.stop, f, b, b))
     except Exception as err:  # noqa: BLE001 -- e.g. out of memory: the whole model's scale stands alone
         log.warning("region scales not measured: %s: %s", type(err).__name__, err)
-        return None
+        return None, cal
     found = MeasuredScale(len(g.eqns), spans)
     log.info("calibration: regions run %s their ops' calibrated sum, over the whole model's scale", found)
-    return found
+    return found, cal
 

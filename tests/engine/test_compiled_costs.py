@@ -50,7 +50,7 @@ def measured() -> tuple:
 
     real, regions = calibration.program_scale, calibration._regions
     calibration.program_scale = scripted
-    calibration._regions = lambda g, device, cal, inputs, known, fx, compiled: dict(known)  # tests/engine/test_regions.py
+    calibration._regions = lambda g, device, cal, inputs, known, fx, compiled: cal  # tests/engine/test_regions.py
     try:
         cal = calibrate_training(g, "cpu", repeats=2, inputs=inputs, compiled={"twice": _twice})
     finally:
@@ -78,7 +78,7 @@ def test_scales_stand_until_ops_are_timed_again_and_a_new_compiler_is_measured_o
 
     g, inputs, cal, asked, scripted = measured
     real, calibration.program_scale = calibration.program_scale, scripted
-    regions, calibration._regions = calibration._regions, lambda g, device, cal, inputs, known, fx, compiled: dict(known)
+    regions, calibration._regions = calibration._regions, lambda g, device, cal, inputs, known, fx, compiled: cal
     try:
         assert calibrate_training(g, "cpu", calibration=cal, inputs=inputs, compiled={"twice": _twice}) == cal
         n = len(asked)

@@ -65,8 +65,8 @@ def test_a_slow_region_is_measured_slow_relative_to_the_others() -> None:
             return fn(*args)
         return run
 
-    found = region_scale(g, torch.device("cpu"), cal, inputs, ProgramScale(), compile_program=slow_first)
-    assert found is not None and found.num_eqns == len(g.eqns)
+    found, grown = region_scale(g, torch.device("cpu"), cal, inputs, ProgramScale(), compile_program=slow_first)
+    assert found is not None and set(cal.times) <= set(grown.times) and found.num_eqns == len(g.eqns)
     assert [s.start for s in found.spans][0] == 0 and found.spans[-1].stop == len(g.eqns)
     assert all(a.stop == b.start for a, b in zip(found.spans, found.spans[1:])) and len(found.spans) == 4
     assert found.spans[0].forward > 20 * max(s.forward for s in found.spans[1:])
