@@ -108,7 +108,9 @@ def by_program(step: Any, local: Any, batch: tuple, stem: Path) -> str:
     prof.export_chrome_trace(f"{stem}_in_turn.json")
     step_events, turn_events = (json.loads(Path(f"{stem}_{part}.json").read_text()).get("traceEvents", [])
                                 for part in ("step", "in_turn"))
-    return program_kernels.compare(program_kernels.ranges(step_events), program_kernels.ranges(turn_events))
+    in_step, in_turn = program_kernels.ranges(step_events), program_kernels.ranges(turn_events)
+    return (f"{program_kernels.compare(in_step, in_turn)}\nthe idle time inside each program's span\n"
+            f"{program_kernels.gaps(in_step, in_turn)}")
 
 
 def llm_case(name: str, size: str, m: int, mb: int, dtype: torch.dtype, device: torch.device):

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.program_kernels import Ranged, compare, ranges
+from benchmarks.program_kernels import Ranged, compare, gaps, ranges
 from engine.execution.program import COMPUTE
 from engine.execution.profile import program_label
 
@@ -38,7 +40,29 @@ def test_ranges_take_each_kernel_by_its_launch() -> None:
     events += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 50, "dur": 1, "tid": 7,
                 "args": {"correlation": 77}},
                {"cat": "kernel", "name": "other", "ts": 700, "dur": 900, "args": {"correlation": 77}}]
-    assert ranges(events) == [Ranged("0F", 400e-6, 500e-6, 2), Ranged("1B+", 400e-6, 400e-6, 1)]
+    # 0F's gap (500-600 us) passed while the NCCL kernel (5-905 us) ran; its launch had returned long before
+    assert ranges(events) == [Ranged("0F", 400e-6, 500e-6, 2, 0.0, 100e-6), Ranged("1B+", 400e-6, 400e-6, 1)]
+
+
+def test_gaps_split_into_what_the_host_made_and_what_passed_beside_nccl() -> None:
+    """Three kernels at 1000-1100, 1300-1400 and 1700-1800 us. The second's launch returned at 1250: of the
+    200 us gap before it, 150 are the host's and 50 the device's, 30 of those (1250-1280) beside an NCCL kernel
+    (1200-1280). The third's launch returned early; its 300 us gap overlaps the second NCCL kernel (1500-1900) for
+    200: 230 beside NCCL, 120 neither."""
+    events = [{"cat": "user_annotation", "name": "2W+", "ts": 900, "dur": 400}]
+    for corr, (launch_end, start) in enumerate([(905, 1000), (1250, 1300), (1260, 1700)], start=1):
+        events += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch_end - 2, "dur": 2,
+                    "args": {"correlation": corr}},
+                   {"cat": "kernel", "name": "gemm", "ts": start, "dur": 100, "args": {"correlation": corr}}]
+    events += [{"cat": "kernel", "name": "ncclDevKernel_Recv", "ts": 1200, "dur": 80, "args": {"correlation": 50}},
+               {"cat": "kernel", "name": "ncclDevKernel_Recv", "ts": 1500, "dur": 400, "args": {"correlation": 51}}]
+    (run,) = ranges(events)
+    assert run.label == "2W+" and run.count == 3 and run.gap_s == pytest.approx(500e-6)
+    assert run.host_gap_s == pytest.approx(150e-6) and run.nccl_gap_s == pytest.approx(230e-6)
+    turn = [Ranged("2W+", 300e-6, 350e-6, 3)]
+    lines = [line.split() for line in gaps([run, run], turn).splitlines()]
+    assert lines[1] == ["2W+", "2", "0.050", "0.500", "0.150", "0.230", "0.120"]
+    assert lines[2] == ["all", "2", "0.100", "1.000", "0.300", "0.460", "0.240"]
 
 
 def test_compare_sets_the_step_beside_the_programs_in_turn() -> None:
