@@ -68,6 +68,7 @@ def calibration(world: launch.World, workshop: Workshop, where: bool | str | os.
 def _calibrate_here(world: launch.World, workshop: Workshop, where: bool | str | os.PathLike, microbatches: Any,
                     dp: Any, compiler: str = "fx") -> Any:
     from .planning.calibration import Calibration, calibrate_training
+    from .planning.regions import with_regions
 
     path = None if where is True else os.fspath(where)
     known = Calibration.load(path) if path is not None and os.path.exists(path) else None
@@ -79,6 +80,8 @@ def _calibrate_here(world: launch.World, workshop: Workshop, where: bool | str |
     others = {} if compiler == "fx" else {compiler: COMPILERS[compiler]}
     table = calibrate_training(graph, world.device, calibration=known, inputs=inputs,
                                compile_program=COMPILERS["fx"], compiled=others)
+    if inputs is not None:  # the scales of spans of the model, for the compiler the plan is for
+        table = with_regions(graph, world.device, table, inputs, {compiler: COMPILERS[compiler]}, known)
     if path is not None and table != known:
         table.save(path)
     return table

@@ -90,7 +90,7 @@ class Calibration:
     compiled_backward: Mapping[str, float] = attrs.field(factory=dict, converter=dict)  # and its backwards'
     # compiler -> its programs' scale per span of the model over the whole model's (engine.planning.regions)
     regions: Mapping[str, MeasuredScale] = attrs.field(factory=dict, converter=dict)
-    selected: str = "fx"  # the compiler `for_compiler` chose: `region` is its
+    selected: str = "fx"  # the compiler `for_compiler` chose, whose region scales `region` gives
 
     @property
     def region(self) -> MeasuredScale | None:
@@ -109,7 +109,7 @@ class Calibration:
         return json.dumps({"device": self.device, "times": dict(sorted(self.times.items())), "scale": self.scale,
                            "compiled": dict(sorted(self.compiled.items())), "backward_scale": self.backward_scale,
                            "compiled_backward": dict(sorted(self.compiled_backward.items())),
-                           "regions": {k: [r.num_eqns, [attrs.astuple(x) for x in r.spans]]
+                           "regions": {k: [r.num_eqns, [attrs.astuple(x) for x in r.spans], r.batch]
                                        for k, r in sorted(self.regions.items())}})
 
     @classmethod
@@ -119,11 +119,13 @@ class Calibration:
         return cls(d["device"], {k: float(v) for k, v in d["times"].items()}, float(d.get("scale", 1.0)),
                    {k: float(v) for k, v in d.get("compiled", {}).items()}, None if back is None else float(back),
                    {k: float(v) for k, v in d.get("compiled_backward", {}).items()},
-                   {k: MeasuredScale(int(n), [Span(*x) for x in spans]) for k, (n, spans) in d.get("regions", {}).items()})
+                   {k: MeasuredScale(int(n), [Span(*x) for x in spans], batch)
+                    for k, (n, spans, batch) in d.get("regions", {}).items()})
 
     def for_compiler(self, name: str) -> Calibration:
         """The table as programs compiled by `name` run: its measured scales in place of fx's ("fx", or a
-        compiler not measured yet: the table as it is, logged)."""
+        compiler not measured yet: the table as it is, logged), and its region scales (`region`). Called on the
+        table as calibrated (fx's scales in `scale`)."""
         if name != "fx" and name not in self.compiled:
             log.warning("no %s programs were timed in this calibration: costing them as fx programs", name)
             name = "fx"
@@ -222,7 +224,8 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
     new microbatch size: the latest measurement holds for the table); otherwise the table's scale stands.
     `compile_program(graph, accumulate)` is how the runtime makes a program runnable (the execution
     side's compiler, handed in: planning does not import execution); `compiled` names other compilers
-    whose programs' scale is measured too (`Calibration.compiled`; again only when ops were timed)."""
+    whose programs' scale is measured too (`Calibration.compiled`; again only when ops were timed). The
+    scales per span of the model come after, from `engine.planning.regions.with_regions`."""
     dev = torch.device(device)
     ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
                            constant_outputs=range(1, len(g.outputs)))  # a loss function's aux: not differentiated
@@ -242,7 +245,6 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
         cal = cal.with_scale(program_scale(ad, g, dev, cal, inputs, repeats=repeats, compile_program=compile_program))
     scales = {} if fresh else dict(cal.compiled)
     backs = {} if fresh else dict(cal.compiled_backward)
-    regions = {} if fresh else dict(cal.regions)
     if any(name not in backs for name in compiled or {}):  # a fusing compiler's stages run the cheap level
         fused = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
                                   constant_outputs=range(1, len(g.outputs)), recompute="cheap")
@@ -252,29 +254,7 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
             scales[name], backs[name] = found.forward, found.backward
             log.info("calibration: %s programs run %.3f x (forward) and %.3f x (backward) their ops' calibrated sum",
                      name, found.forward, found.backward)
-    cal = attrs.evolve(cal, compiled=scales, compiled_backward=backs)
-    return _regions(g, dev, cal, inputs, regions, compile_program, compiled or {})
-
-
-def _regions(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Sequence[torch.Tensor],
-             known: dict[str, MeasuredScale], fx: ProgramCompiler, compiled: Mapping[str, ProgramCompiler]
-             ) -> Calibration:
-    """`cal` with `known` region scales and each compiler's measured where missing (fx's programs at no
-    recompute, a fusing compiler's at the cheap level, as their whole-model scales are), and the ops only a
-    region's programs have timed too: `engine.planning.regions`."""
-    from .regions import region_scale  # regions costs spans with this module's tables
-
-    out = dict(known)
-    for name, compiler, level in (("fx", fx, False), *((n, c, "cheap") for n, c in compiled.items())):
-        if name in out:
-            continue
-        mine = cal.for_compiler(name)
-        whole = ProgramScale(mine.scale, mine.backward_scale if mine.backward_scale is not None else mine.scale)
-        found, grown = region_scale(g, device, cal, inputs, whole, level=level, compile_program=compiler)
-        cal = attrs.evolve(cal, times=grown.times)
-        if found is not None:
-            out[name] = found
-    return attrs.evolve(cal, regions=out)
+    return attrs.evolve(cal, compiled=scales, compiled_backward=backs)
 
 
 def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibration,
@@ -290,8 +270,8 @@ def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibr
         log.warning("program scale not measured: %d inputs for a graph of %d", len(inputs), len(g.inputs))
         return ProgramScale()
     sums = ops_sums(ad, g, cal)
-    if sums is None:  # their roofline times are not what the scale would correct
-        log.warning("program scale not measured: some ops could not be timed alone")
+    if sums.missing:  # their roofline times are not what the scale would correct
+        log.warning("program scale not measured: %d of %d ops could not be timed alone", sums.missing, sums.ops)
         return ProgramScale()
     try:
         f_run, b_run, _ = program_seconds(ad, device, inputs, sums.accumulate, sums.param_grads, max(repeats, 3),
@@ -308,25 +288,28 @@ def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibr
 class OpsSums:
     """A graph's programs (`ad`) as the calibration table costs them: the forward's timed ops summed, the fused
     backward's with each weight grad's accumulation, the backward outputs added into accumulators
-    (`accumulate`) and each param's grad slot (`param_grads`: slot -> input position)."""
+    (`accumulate`), each param's grad slot (`param_grads`: slot -> input position), and how many of the `ops`
+    (costly ops and accumulations) the table lacks (`missing`: then the sums say little)."""
 
     forward: float
     backward: float
     accumulate: tuple[int, ...]
     param_grads: dict[int, int]
+    missing: int
+    ops: int
 
 
-def ops_sums(ad: ir.StageAD, g: ir.Graph, cal: Calibration) -> OpsSums | None:
-    """`OpsSums` of `ad`, the stage autodiff of `g`; None if some costly op of it was not timed alone."""
+def ops_sums(ad: ir.StageAD, g: ir.Graph, cal: Calibration) -> OpsSums:
+    """`OpsSums` of `ad`, the stage autodiff of `g`."""
     fwd, bwd = ad.forward, ad.backward
     param_grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
     acc = tuple(k for k, slot in enumerate(bwd.out_slots) if slot in param_grads)
     f_keys = [signature(e) for e in fwd.graph.eqns if _costly(e)]
     b_keys = [signature(e) for e in bwd.graph.eqns if _costly(e)]
     b_keys += [accumulate_signature(g.inputs[param_grads[bwd.out_slots[k]]].aval) for k in acc]
-    if any(k not in cal.times for k in (*f_keys, *b_keys)):
-        return None
-    return OpsSums(sum(cal.times[k] for k in f_keys), sum(cal.times[k] for k in b_keys), acc, param_grads)
+    missing = sum(k not in cal.times for k in (*f_keys, *b_keys))
+    return OpsSums(sum(cal.times.get(k, 0.0) for k in f_keys), sum(cal.times.get(k, 0.0) for k in b_keys), acc,
+                   param_grads, missing, len(f_keys) + len(b_keys))
 
 
 def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import attrs
 
+import ir
+
 
 @attrs.frozen
 class Span:
@@ -32,13 +34,26 @@ class Span:
                 f"W x{self.backward_weight:.2f}")
 
 
+def batch_key(g: ir.Graph) -> str:
+    """What tells one microbatch graph of a model from another with as many equations: its batch leaves'
+    shapes and dtypes (another microbatch size)."""
+    return ";".join(f"{tuple(v.aval.shape)}:{v.aval.dtype}" for v in g.batch)
+
+
 @attrs.frozen
 class MeasuredScale:
     """Per-span ratios of measured to planned seconds, for the microbatch graph of `num_eqns` equations that
-    was measured (another microbatch size makes another graph: the scale then does not apply)."""
+    was measured (another microbatch size makes another graph: the scale then does not apply); `batch` is that
+    graph's `batch_key` where it was recorded ("" for a scale made for one plan's graph: its equation count is
+    checked alone)."""
 
     num_eqns: int
     spans: tuple[Span, ...] = attrs.field(converter=tuple)
+    batch: str = ""
+
+    def matches(self, g: ir.Graph) -> bool:
+        """Whether this scale was measured on graph `g` (or one like it)."""
+        return self.num_eqns == len(g.eqns) and (not self.batch or self.batch == batch_key(g))
 
     def per_eqn(self, num_eqns: int) -> tuple[list[float], list[float], list[float]] | None:
         """The F, B, W ratio of each equation of a graph of `num_eqns` equations (1 outside every span), or None
@@ -71,10 +86,12 @@ class MeasuredScale:
 def combined(first: MeasuredScale | None, then: MeasuredScale | None) -> MeasuredScale | None:
     """The scale of costs scaled by `first` and then by `then` (each equation's ratios multiplied), as spans of
     equal ratios: a calibration's region scales with a rebalance's stage ratios, which were measured against
-    plans costed with the regions. Either alone where the other is None or was measured on another graph (then
-    `then`, the later measurement, stands)."""
-    if first is None or then is None or first.num_eqns != then.num_eqns:
+    plans costed with the regions. Either alone where the other is None; both must be of one graph (the cost
+    model checks each against the graph it costs, `MeasuredScale.matches`)."""
+    if first is None or then is None:
         return then if then is not None else first
+    if first.num_eqns != then.num_eqns:
+        raise ValueError(f"scales of graphs of {first.num_eqns} and {then.num_eqns} equations do not combine")
     n = first.num_eqns
     a, b = first.per_eqn(n), then.per_eqn(n)
     assert a is not None and b is not None
@@ -85,4 +102,4 @@ def combined(first: MeasuredScale | None, then: MeasuredScale | None) -> Measure
             spans[-1] = attrs.evolve(spans[-1], stop=i + 1)
         else:
             spans.append(Span(i, i + 1, *r))
-    return MeasuredScale(n, spans)
+    return MeasuredScale(n, spans, first.batch or then.batch)

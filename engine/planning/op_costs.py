@@ -25,7 +25,7 @@ from ir.costs import base_name
 
 from .calibration import Calibration, accumulate_signature, signature
 from .devices import DeviceProfile, LinkProfile
-from .measured import MeasuredScale
+from .measured import MeasuredScale, combined
 
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -55,6 +55,9 @@ class CostModel:
     link: LinkProfile
     calibration: Calibration | None = None
     measured: MeasuredScale | None = None  # the stage programs' measured / planned seconds (engine.planning.measured)
+    placed: bool = True  # False: no per-span scale (a block's cost shared by the blocks that print alike)
+    _scales: dict[int, tuple[ir.Graph, MeasuredScale | None]] = attrs.field(factory=dict, init=False, eq=False,
+                                                                          repr=False)  # per graph: scale_of
 
     @property
     def backward_ratio(self) -> float:
@@ -67,16 +70,30 @@ class CostModel:
         """Whether the calibration table times `e` (its time then carries the program scales)."""
         return self.calibration is not None and signature(e) in self.calibration.times
 
+    def scale_of(self, graph: ir.Graph) -> MeasuredScale | None:
+        """The per-span ratios that apply to microbatch graph `graph`: the calibration's region scales
+        (engine.planning.regions) times the stage programs' measured ones, each only if measured on this graph."""
+        if not self.placed:
+            return None
+        hit = self._scales.get(id(graph))
+        if hit is None or hit[0] is not graph:
+            region = self.calibration.region if self.calibration is not None else None
+            mine = [s if s is not None and s.matches(graph) else None for s in (region, self.measured)]
+            hit = self._scales[id(graph)] = (graph, combined(*mine))
+        return hit[1]
+
     def stage_scale(self, graph: ir.Graph, start: int, stop: int) -> tuple[float, float, float]:
         """The measured F, B, W ratios of equations [start, stop) of the microbatch graph ((1, 1, 1) unmeasured)."""
-        if self.measured is None:
+        scale = self.scale_of(graph)
+        if scale is None:
             return 1.0, 1.0, 1.0
         times = [self.eqn_time(e) for e in graph.eqns[start:stop]]
-        return self.measured.of_range(times, start, stop, len(graph.eqns))
+        return scale.of_range(times, start, stop, len(graph.eqns))
 
     def eqn_scales(self, graph: ir.Graph) -> tuple[list[float], list[float], list[float]] | None:
         """Each equation's measured F, B, W ratio for the microbatch graph, or None (unmeasured, another graph)."""
-        return None if self.measured is None else self.measured.per_eqn(len(graph.eqns))
+        scale = self.scale_of(graph)
+        return None if scale is None else scale.per_eqn(len(graph.eqns))
 
     def eqn_time(self, e: ir.Eqn, *, backward: bool = False) -> float:
         """Predicted seconds for one equation; zero for views. A calibrated time carries the forward program

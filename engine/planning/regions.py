@@ -3,84 +3,131 @@
 One program scale for the whole model misjudges a stage whose ops fuse (or overlap, or miss the cache) better or
 worse than the model's average: ResNet-101x4 cut in two on 2 x H100 (inductor, 2026-11-26) ran its first
 stage's forward 1.18 x the plan and the second's 0.81 x, and the planner predicted the step 1.17 x fast. So
-calibration also cuts the model into REGIONS spans of about equal calibrated forward time, runs each span's
-forward and fused backward program as the runtime will (compiled by the same compiler, at the same recompute
-level as the whole-model scale, the real params and microbatch flowing from span to span), and keeps each
-span's seconds over its ops' calibrated sum, divided by the whole model's scale. The result is a
-`MeasuredScale` over the model graph's equations (`engine.planning.measured`): the cost model applies it to
-every plan of that graph, before any stage program exists, and a rebalance multiplies the stage programs' own
-ratios on top (`combined`).
+after `calibrate_training`, `with_regions` cuts the model at module boundaries into REGIONS spans of about equal
+calibrated forward time, runs each span's forward and fused backward program as the runtime will (compiled by
+the compiler the plan is for, at the recompute level of its whole-model scale, the real params and microbatch
+flowing from span to span) and keeps each span's seconds over its ops' calibrated sum. Those ratios are
+normalised to a time-weighted mean of 1: the whole model's scale stays what the whole program measured (a span's
+own program pays launches and boundaries no stage of a plan pays twice), and the spans say how that time is
+spread. The result is a `MeasuredScale` over the microbatch graph's equations (`engine.planning.measured`),
+which the cost model applies to plans of that graph (`CostModel.scale_of`); a rebalance's stage ratios multiply
+on top. A cut makes ops the whole model's programs lack (a span's first convolution computes an input grad);
+they are timed and join the table.
 """
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import attrs
 import torch
 
 import ir
 
 from .artifacts import autodiff
+from .blocks import crossing_bytes, module_cuts
 from .calibration import Calibration, ProgramCompiler, ProgramScale, calibrate, ops_sums, program_seconds, signature
-from .measured import MeasuredScale, Span
+from .measured import MeasuredScale, Span, batch_key
 
 log = logging.getLogger("engine.calibrate")
 REGIONS = 4  # spans a model is timed in: each costs a compile of its forward and backward programs on rank 0
 
 
-def region_cuts(times: Sequence[float], regions: int = REGIONS) -> list[int]:
+def region_cuts(times: Sequence[float], regions: int = REGIONS, candidates: Sequence[int] | None = None) -> list[int]:
     """Cut points (equation indices, strictly inside the graph) splitting equations of forward `times` into at
-    most `regions` spans of about equal time; fewer where the graph has fewer equations than that."""
+    most `regions` spans of about equal time, each taken from `candidates` (a model's module boundaries) where
+    given, else anywhere: the candidate whose time before it is nearest each 1/regions share."""
     total = sum(times)
-    if total <= 0 or regions < 2 or len(times) < 2:
+    points = sorted(c for c in (candidates if candidates is not None else range(1, len(times))) if 0 < c < len(times))
+    if total <= 0 or regions < 2 or not points:
         return []
+    prefix = list(itertools.accumulate(times, initial=0.0))  # prefix[i]: the time before equation i
+    before = [prefix[p] for p in points]
     cuts: list[int] = []
-    done = 0.0
-    for i, t in enumerate(times):
-        if len(cuts) == regions - 1:
-            break
-        if i > 0 and done >= total * (len(cuts) + 1) / regions and (not cuts or i > cuts[-1]):
-            cuts.append(i)
-        done += t
+    for k in range(1, regions):
+        best = min(range(len(points)), key=lambda j: abs(before[j] - total * k / regions))
+        if (not cuts or points[best] > cuts[-1]) and 0 < before[best] < total:
+            cuts.append(points[best])
     return cuts
+
+
+def with_regions(g: ir.Graph, device: torch.device, table: Calibration, inputs: Sequence[torch.Tensor],
+                 compilers: Mapping[str, ProgramCompiler], known: Calibration | None = None) -> Calibration:
+    """`table` (from `calibrate_training` on microbatch graph `g` and its real `inputs`) with each of
+    `compilers`' region scales: kept from `known` (the table as loaded) where nothing it rests on changed (the
+    op times, the compiler's whole-model scales, the graph), else measured. A failed measurement is kept as a
+    scale of no spans (nothing applies), so later launches do not retry it until the table changes."""
+    out = {name: r for name, r in table.regions.items() if _current(name, table, known, g)}  # the rest is stale
+    for name, compiler in compilers.items():
+        if name in out:
+            continue
+        mine = table.for_compiler(name)
+        whole = ProgramScale(mine.scale, mine.backward_scale if mine.backward_scale is not None else mine.scale)
+        found, table = region_scale(g, device, table, inputs, whole, level=False if name == "fx" else "cheap",
+                                    compile_program=compiler)
+        out[name] = found if found is not None else MeasuredScale(len(g.eqns), (), batch_key(g))
+    return attrs.evolve(table, regions=out)
+
+
+def _current(name: str, table: Calibration, known: Calibration | None, g: ir.Graph) -> bool:
+    """Whether `known`'s region scales of compiler `name` still hold for `table` and graph `g`."""
+    if known is None or name not in known.regions or not known.regions[name].matches(g):
+        return False
+    a, b = table.for_compiler(name), known.for_compiler(name)
+    return table.times == known.times and (a.scale, a.backward_scale) == (b.scale, b.backward_scale)
 
 
 def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Sequence[torch.Tensor],
                  whole: ProgramScale, *, level: bool | str = False, repeats: int = 3,
                  compile_program: ProgramCompiler = ir.compile_graph,
                  regions: int = REGIONS) -> tuple[MeasuredScale | None, Calibration]:
-    """Each region's (`region_cuts` of `g`'s calibrated forward times) measured over planned forward and
-    backward seconds, relative to `whole` (the whole model's scale for this compiler), and the table with the
-    ops a region's programs have and the whole model's lack timed too (a cut makes them: the input grad of a
-    region's first convolution, which the model's first one does not compute). None when the model is too small
-    to cut, a region's program cannot run here (logged), or some op of it cannot be timed alone."""
+    """Each region's (`region_cuts` of `g`) measured over planned forward and backward seconds, normalised (the
+    module docstring), and `cal` with the ops only the regions' programs have timed. None when the model is too
+    small to cut, a region's program cannot run here (logged: out of memory, say), or some op of it cannot be
+    timed alone (logged). `whole` is the whole model's scale for this compiler: the ratios are relative to it."""
     times = [cal.times.get(signature(e), 0.0) for e in g.eqns]
-    cuts = region_cuts(times, regions)
+    cuts = region_cuts(times, regions, module_cuts(g, crossing_bytes(g)) or None)
     if not cuts or len(inputs) != len(g.inputs):
         return None, cal
     values: dict[int, torch.Tensor] = {}  # crossing value id -> its tensor, from the region before
-    spans = []
-    try:
-        for stage in ir.split(g, cuts):
-            ad = autodiff(stage, level, device=str(device))
-            for part in (ad.forward, ad.backward):
-                cal = calibrate(part.graph, device, calibration=cal)
-            sums = ops_sums(ad, stage.graph, cal)
-            if sums is None:
-                log.warning("region scales not measured: some ops of equations %d:%d could not be timed alone",
-                            stage.start, stage.stop)
-                return None, cal
-            ins = [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)] + [values[v] for v in stage.acts_in]
+    runs = []  # per region: (start, stop, forward sum, backward sum, forward seconds, backward seconds)
+    for stage in ir.split(g, cuts):
+        ad = autodiff(stage, level, device=str(device))  # as a plan's stage's programs are made
+        for part in (ad.forward, ad.backward):
+            cal = calibrate(part.graph, device, calibration=cal)
+        sums = ops_sums(ad, stage.graph, cal)
+        if sums.missing:
+            log.warning("region scales not measured: %d of %d ops of equations %d:%d could not be timed alone",
+                        sums.missing, sums.ops, stage.start, stage.stop)
+            return None, cal
+        ins = [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)] + [values[v] for v in stage.acts_in]
+        try:
             f_run, b_run, outs = program_seconds(ad, device, ins, sums.accumulate, sums.param_grads, repeats,
                                                  compile_program)
-            values.update(zip(stage.acts_out, outs))
-            f = f_run / sums.forward / whole.forward if sums.forward > 0 and whole.forward > 0 else 1.0
-            b = b_run / sums.backward / whole.backward if sums.backward > 0 and whole.backward > 0 else 1.0
-            spans.append(Span(stage.start, stage.stop, f, b, b))
-    except Exception as err:  # noqa: BLE001 -- e.g. out of memory: the whole model's scale stands alone
-        log.warning("region scales not measured: %s: %s", type(err).__name__, err)
-        return None, cal
-    found = MeasuredScale(len(g.eqns), spans)
+        except RuntimeError as err:  # out of memory, a compiler's failure: the whole model's scale stands alone
+            log.warning("region scales not measured (equations %d:%d): %s: %s", stage.start, stage.stop,
+                        type(err).__name__, err)
+            return None, cal
+        values.update(zip(stage.acts_out, outs))
+        runs.append((stage.start, stage.stop, sums.forward, sums.backward, f_run, b_run))
+    found = MeasuredScale(len(g.eqns), _normalised(runs, whole), batch_key(g))
     log.info("calibration: regions run %s their ops' calibrated sum, over the whole model's scale", found)
     return found, cal
 
+
+def _normalised(runs: Sequence[tuple[int, int, float, float, float, float]], whole: ProgramScale) -> list[Span]:
+    """Each region's forward and backward ratio (seconds over ops' sum, over `whole`), scaled so their means
+    weighted by the regions' ops' sums are 1."""
+    f = [run / ops / whole.forward if ops > 0 and whole.forward > 0 else 1.0 for _, _, ops, _, run, _ in runs]
+    b = [run / ops / whole.backward if ops > 0 and whole.backward > 0 else 1.0 for _, _, _, ops, _, run in runs]
+    f_mean = _weighted_mean(f, [r[2] for r in runs])
+    b_mean = _weighted_mean(b, [r[3] for r in runs])
+    return [Span(start, stop, fr / f_mean, br / b_mean, br / b_mean)
+            for (start, stop, *_), fr, br in zip(runs, f, b)]
+
+
+def _weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:
+    total = sum(weights)
+    mean = sum(v * w for v, w in zip(values, weights)) / total if total > 0 else 1.0
+    return mean if mean > 0 else 1.0

@@ -40,7 +40,7 @@ from .candidates import (
 from .devices import DeviceProfile, LinkProfile, get_device, get_link
 from .floor import above_floor, floor_of
 from .layout import Layout, layouts
-from .measured import MeasuredScale, combined
+from .measured import MeasuredScale
 from .memory import MemoryModel, rank_terms, with_recipe
 from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
@@ -174,8 +174,7 @@ class Session:
         """The planner of `schedule` for these options, checked (PlanError), nothing split yet. `measured`: the
         stage programs' measured / planned seconds (engine.planning.measured), from a plan of the same graph."""
         profile = get_device(device)
-        region = calibration.region if calibration is not None else None  # the calibration's spans, then measured
-        model = CostModel(profile, get_link(link, profile), calibration, combined(region, measured))
+        model = CostModel(profile, get_link(link, profile), calibration, measured)  # its region scales: scale_of
         build = build or schedule_builder(schedule)
         assert build is not None
         recompute = recompute_mode(recompute)

@@ -190,7 +190,7 @@ def exact_blocks(graph: ir.Graph, blocks: Blocks, model: CostModel, *, device: s
     per_block = []
     differentiate = differentiate or autodiff_on(device)
     stages = ir.split(graph, blocks.bounds[1:-1])
-    plain = attrs.evolve(model, measured=None)  # blocks that print alike cost alike; measured scales differ by place
+    plain = attrs.evolve(model, measured=None, placed=False)  # alike blocks cost alike; scales differ by place
     for stage in stages:
         key = _core(stage)
         if key not in costs:

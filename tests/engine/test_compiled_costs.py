@@ -48,13 +48,12 @@ def measured() -> tuple:
         factor = {_twice: 2.0, ir.compile_graph: 1.5}.get(compile_program, 3.0)
         return ProgramScale(factor, 2 * factor)  # backwards: twice the forwards' scale
 
-    real, regions = calibration.program_scale, calibration._regions
+    real = calibration.program_scale
     calibration.program_scale = scripted
-    calibration._regions = lambda g, device, cal, inputs, known, fx, compiled: cal  # tests/engine/test_regions.py
     try:
         cal = calibrate_training(g, "cpu", repeats=2, inputs=inputs, compiled={"twice": _twice})
     finally:
-        calibration.program_scale, calibration._regions = real, regions
+        calibration.program_scale = real
     return g, inputs, cal, asked, scripted
 
 
@@ -78,13 +77,12 @@ def test_scales_stand_until_ops_are_timed_again_and_a_new_compiler_is_measured_o
 
     g, inputs, cal, asked, scripted = measured
     real, calibration.program_scale = calibration.program_scale, scripted
-    regions, calibration._regions = calibration._regions, lambda g, device, cal, inputs, known, fx, compiled: cal
     try:
         assert calibrate_training(g, "cpu", calibration=cal, inputs=inputs, compiled={"twice": _twice}) == cal
         n = len(asked)
         grown = calibrate_training(g, "cpu", calibration=cal, inputs=inputs, compiled={"other": lambda *a: None})
     finally:
-        calibration.program_scale, calibration._regions = real, regions
+        calibration.program_scale = real
     assert len(asked) == n + 1  # only the new compiler's programs ran
     assert grown.compiled == {"twice": 2.0, "other": 3.0} and grown.scale == cal.scale
     assert grown.compiled_backward == {"twice": 4.0, "other": 6.0} and grown.backward_scale == cal.backward_scale

@@ -10,9 +10,9 @@ import torch
 
 import engine
 import ir
-from engine.planning.calibration import Calibration, ProgramScale, calibrate_training
-from engine.planning.measured import MeasuredScale, Span, combined
-from engine.planning.regions import region_cuts, region_scale
+from engine.planning.calibration import Calibration, ProgramScale, calibrate_training, signature
+from engine.planning.measured import MeasuredScale, Span, batch_key, combined
+from engine.planning.regions import _normalised, region_cuts, region_scale, with_regions
 
 
 def _mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -28,64 +28,124 @@ def _model(layers: int = 8, width: int = 64, rows: int = 32) -> tuple[Any, list[
     return params, [*params["layers"], x], ir.trace(_mlp, params, x)
 
 
-def test_regions_cut_the_forward_time_into_about_equal_spans() -> None:
-    assert region_cuts([1.0] * 8, 4) == [2, 4, 6]
-    assert region_cuts([4.0, 1, 1, 1, 1], 2) == [1]  # the first equation is half the time
-    assert region_cuts([1.0, 1.0, 1.0], 4) == [1, 2]  # fewer equations than regions: one each
-    assert region_cuts([0.0, 0.0], 4) == [] and region_cuts([1.0], 4) == []
-
-
-def test_combined_multiplies_each_equations_ratios_and_keeps_the_later_for_another_graph() -> None:
-    regions = MeasuredScale(6, [Span(0, 3, 2.0, 1.0, 1.0), Span(3, 6, 0.5, 1.0, 1.0)])
-    stages = MeasuredScale(6, [Span(0, 2, 1.0, 1.5, 1.5), Span(2, 6, 1.0, 2.0, 3.0)])
-    both = combined(regions, stages)
-    assert both is not None and both.per_eqn(6) == (
-        [2.0, 2.0, 2.0, 0.5, 0.5, 0.5], [1.5, 1.5, 2.0, 2.0, 2.0, 2.0], [1.5, 1.5, 3.0, 3.0, 3.0, 3.0])
-    assert [(s.start, s.stop) for s in both.spans] == [(0, 2), (2, 3), (3, 6)]
-    other = MeasuredScale(7, [Span(0, 7, 3.0, 3.0, 3.0)])
-    assert combined(regions, other) is other and combined(None, stages) is stages and combined(regions, None) is regions
-
-
-def test_a_slow_region_is_measured_slow_relative_to_the_others() -> None:
-    """A 'compiler' whose first region's forward sleeps 30 ms a run: that region's F ratio is far above the
-    others', its backward is not, and the spans cover the graph."""
-    params, inputs, g = _model()
-    cal = calibrate_training(g, "cpu", repeats=2)  # op times only (no inputs: no program scale, no regions)
-    assert cal.regions == {}
-    first: dict[str, Any] = {}
-
-    def slow_first(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
+def _slow_first_forward(calls: dict[str, int]) -> Any:
+    """A 'compiler' whose first forward program compiled (region 0's) sleeps 30 ms a run; counts compiles."""
+    def compile_program(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
         fn = ir.compile_graph(graph, acc)
-        if acc or first:  # a backward, or a later region's forward
+        calls["compiles"] = calls.get("compiles", 0) + 1
+        if acc or calls.get("slow"):
             return fn
-        first["graph"] = graph
+        calls["slow"] = 1
 
         def run(*args: Any) -> Any:
             time.sleep(0.03)
             return fn(*args)
         return run
+    return compile_program
 
-    found, grown = region_scale(g, torch.device("cpu"), cal, inputs, ProgramScale(), compile_program=slow_first)
-    assert found is not None and set(cal.times) <= set(grown.times) and found.num_eqns == len(g.eqns)
-    assert [s.start for s in found.spans][0] == 0 and found.spans[-1].stop == len(g.eqns)
-    assert all(a.stop == b.start for a, b in zip(found.spans, found.spans[1:])) and len(found.spans) == 4
+
+def test_regions_cut_the_forward_time_into_about_equal_spans() -> None:
+    assert region_cuts([1.0] * 8, 4) == [2, 4, 6]
+    assert region_cuts([4.0, 1, 1, 1, 1], 2) == [1]  # the first equation is half the time
+    assert region_cuts([1.0, 1.0, 1.0], 4) == [1, 2]  # fewer equations than regions: one each
+    assert region_cuts([0.0, 0.0], 4) == [] and region_cuts([1.0], 4) == []
+    assert region_cuts([1.0] * 8, 4, candidates=[3, 5]) == [3, 5]  # only at module boundaries: the nearest
+    assert region_cuts([1.0] * 8, 2, candidates=[]) == []
+
+
+def test_the_mlps_regions_fall_between_its_layers() -> None:
+    """Module boundaries: a layer's matmul and its tanh stay in one region (a fusing compiler fuses them)."""
+    params, inputs, g = _model()
+    cal = calibrate_training(g, "cpu", repeats=2)
+    found, _ = region_scale(g, torch.device("cpu"), cal, inputs, ProgramScale())
+    assert found is not None
+    assert all(g.eqns[s.start].op == "aten.matmul.default" for s in found.spans)  # each span starts at a matmul
+
+
+def test_combined_multiplies_each_equations_ratios() -> None:
+    regions = MeasuredScale(6, [Span(0, 3, 2.0, 1.0, 1.0), Span(3, 6, 0.5, 1.0, 1.0)], "b")
+    stages = MeasuredScale(6, [Span(0, 2, 1.0, 1.5, 1.5), Span(2, 6, 1.0, 2.0, 3.0)])
+    both = combined(regions, stages)
+    assert both is not None and both.per_eqn(6) == (
+        [2.0, 2.0, 2.0, 0.5, 0.5, 0.5], [1.5, 1.5, 2.0, 2.0, 2.0, 2.0], [1.5, 1.5, 3.0, 3.0, 3.0, 3.0])
+    assert [(s.start, s.stop) for s in both.spans] == [(0, 2), (2, 3), (3, 6)] and both.batch == "b"
+    assert combined(None, stages) is stages and combined(regions, None) is regions
+    with pytest.raises(ValueError, match="6 and 7 equations"):
+        combined(regions, MeasuredScale(7, [Span(0, 7, 3.0, 3.0, 3.0)]))
+
+
+def test_region_ratios_are_normalised_to_a_weighted_mean_of_one() -> None:
+    """Two regions of ops' sums 1 and 3 ms running 2 and 3 ms forward (ratios 2 and 1 over a whole scale of 1):
+    their mean weighted by the sums is 1.25, so 1.6 and 0.8; the backward likewise on its own sums."""
+    runs = [(0, 4, 1e-3, 2e-3, 2e-3, 2e-3), (4, 9, 3e-3, 2e-3, 3e-3, 6e-3)]
+    spans = _normalised(runs, ProgramScale(1.0, 2.0))
+    assert [(s.start, s.stop) for s in spans] == [(0, 4), (4, 9)]
+    assert [s.forward for s in spans] == pytest.approx([1.6, 0.8])
+    assert [s.backward_input for s in spans] == pytest.approx([0.5, 1.5])  # 2/2/2 = 0.5, 6/2/2 = 1.5: mean 1
+    assert [s.backward_weight for s in spans] == [s.backward_input for s in spans]
+
+
+def test_a_slow_region_is_measured_slow_relative_to_the_others() -> None:
+    """Region 0's forward sleeps 30 ms a run: its F ratio is far above the others', its backward is not, the
+    spans cover the graph, and the scale is recorded for this graph's microbatch."""
+    params, inputs, g = _model()
+    cal = calibrate_training(g, "cpu", repeats=2)  # op times only (no inputs: no program scale)
+    found, _ = region_scale(g, torch.device("cpu"), cal, inputs, ProgramScale(),
+                            compile_program=_slow_first_forward({}))
+    assert found is not None and found.num_eqns == len(g.eqns) and found.batch == batch_key(g)
+    assert found.spans[0].start == 0 and found.spans[-1].stop == len(g.eqns) and len(found.spans) == 4
+    assert all(a.stop == b.start for a, b in zip(found.spans, found.spans[1:]))
     assert found.spans[0].forward > 20 * max(s.forward for s in found.spans[1:])
     assert found.spans[0].backward_input < 20 * min(s.backward_input for s in found.spans[1:])
 
 
-def test_calibrate_training_measures_regions_per_compiler_and_saves_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_ops_only_a_regions_programs_have_are_timed_and_kept() -> None:
+    """A table that lacks the ops of the regions' backward programs (as a cut's input grads are lacking from
+    the whole model's table): the regions time them rather than giving up, and the grown table keeps them."""
     params, inputs, g = _model(layers=4)
-    cal = calibrate_training(g, "cpu", repeats=2, inputs=inputs, compiled={"again": ir.compile_graph})
-    assert set(cal.regions) == {"fx", "again"}
-    assert all(r.num_eqns == len(g.eqns) and all(s.forward > 0 and s.backward_input > 0 for s in r.spans)
-               for r in cal.regions.values())
-    cal.save(tmp_path / "cal.json")
-    back = Calibration.load(tmp_path / "cal.json")
-    assert back == cal
-    assert back.for_compiler("again").region == cal.regions["again"] and back.region == cal.regions["fx"]
-    assert back.for_compiler("unknown").region == cal.regions["fx"]  # not measured: costed as fx (logged)
-    again = calibrate_training(g, "cpu", repeats=2, inputs=inputs, calibration=back, compiled={"again": ir.compile_graph})
-    assert again.regions == back.regions  # nothing timed anew: the regions stand
+    cal = calibrate_training(g, "cpu", repeats=2)
+    backward_ops = {signature(e) for s in ir.split(g, region_cuts([1.0] * len(g.eqns), 4))
+                    for e in ir.stage_autodiff(s.graph, constant=range(len(s.param_ids), len(s.param_ids)
+                                                                        + len(s.batch_ids))).backward.graph.eqns}
+    lacking = attrs.evolve(cal, times={k: v for k, v in cal.times.items() if k not in backward_ops})
+    assert len(lacking.times) < len(cal.times)
+    found, grown = region_scale(g, torch.device("cpu"), lacking, inputs, ProgramScale())
+    assert found is not None and set(cal.times) <= set(grown.times)
+
+
+def test_with_regions_measures_once_keeps_what_holds_and_measures_again_what_changed(  # type: ignore[no-untyped-def]
+        tmp_path) -> None:
+    params, inputs, g = _model(layers=4)
+    dev = torch.device("cpu")
+    calls: dict[str, int] = {}
+    table = with_regions(g, dev, calibrate_training(g, "cpu", repeats=2, inputs=inputs), inputs,
+                         {"fx": _slow_first_forward(calls)})
+    first = calls["compiles"]
+    assert set(table.regions) == {"fx"} and table.region == table.regions["fx"] and first > 0
+    table.save(tmp_path / "cal.json")
+    known = Calibration.load(tmp_path / "cal.json")
+    assert known == table  # the regions and their graph's key round-trip
+    again = calibrate_training(g, "cpu", repeats=2, inputs=inputs, calibration=known)
+    assert with_regions(g, dev, again, inputs, {"fx": _slow_first_forward(calls)}, known) == known
+    assert calls["compiles"] == first  # nothing it rests on changed: not measured again
+    rescaled = attrs.evolve(again, scale=again.scale * 2)  # the whole model's scale measured anew
+    redone = with_regions(g, dev, rescaled, inputs, {"fx": _slow_first_forward(calls)}, known)
+    assert calls["compiles"] > first and redone.regions["fx"].matches(g)  # measured again, not kept
+
+
+def test_a_region_that_cannot_run_is_recorded_and_not_tried_again() -> None:
+    params, inputs, g = _model(layers=4)
+    dev = torch.device("cpu")
+    tries = {"n": 0}
+
+    def failing(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
+        tries["n"] += 1
+        raise RuntimeError("CUDA out of memory (scripted)")
+
+    table = calibrate_training(g, "cpu", repeats=2, inputs=inputs)
+    out = with_regions(g, dev, table, inputs, {"fx": failing})
+    assert out.regions["fx"].spans == () and out.regions["fx"].matches(g) and tries["n"] == 1
+    assert with_regions(g, dev, out, inputs, {"fx": failing}, out) == out and tries["n"] == 1
 
 
 @pytest.mark.parametrize("slow", ["first", "second"])
@@ -93,16 +153,17 @@ def test_the_planner_moves_the_cut_off_a_region_measured_slow(slow: str) -> None
     """The same table with the first (or second) half of the model's equations measured 3 x its ops' sum: the
     two-stage split gives that half fewer equations, and the predicted step grows."""
     params, inputs, g = _model()
-    n = len(g.eqns)
-    plain = Calibration("cpu", {})
+    n, x = len(g.eqns), inputs[-1]
     spans = [Span(0, n // 2, 3.0, 3.0, 3.0), Span(n // 2, n, 1.0, 1.0, 1.0)]
     if slow == "second":
         spans = [Span(0, n // 2, 1.0, 1.0, 1.0), Span(n // 2, n, 3.0, 3.0, 3.0)]
-    scaled = attrs.evolve(plain, regions={"fx": MeasuredScale(n, spans)})
-    x = inputs[-1]
-    even = engine.plan(_mlp, params, x, world_size=2, stages=2, microbatches=2, schedule="1f1b", device="cpu",
-                       calibration=plain)
-    moved = engine.plan(_mlp, params, x, world_size=2, stages=2, microbatches=2, schedule="1f1b", device="cpu",
-                        calibration=scaled)
+    plain = Calibration("cpu", {})
+    micro = ir.trace(_mlp, params, x[: x.shape[0] // 2])  # the planner's microbatch graph (2 microbatches)
+    scaled = attrs.evolve(plain, regions={"fx": MeasuredScale(n, spans, batch_key(micro))})
+    kw = dict(world_size=2, stages=2, microbatches=2, schedule="1f1b", device="cpu")
+    even = engine.plan(_mlp, params, x, calibration=plain, **kw)
+    moved = engine.plan(_mlp, params, x, calibration=scaled, **kw)
     assert (moved.cuts[0] < even.cuts[0]) if slow == "first" else (moved.cuts[0] > even.cuts[0])
     assert moved.predicted_step_time > 1.3 * even.predicted_step_time
+    other = engine.plan(_mlp, params, x, calibration=scaled, **dict(kw, microbatches=4))  # another graph
+    assert other == engine.plan(_mlp, params, x, calibration=plain, **dict(kw, microbatches=4))
