@@ -119,8 +119,8 @@ class Calibration:
         return cls(d["device"], {k: float(v) for k, v in d["times"].items()}, float(d.get("scale", 1.0)),
                    {k: float(v) for k, v in d.get("compiled", {}).items()}, None if back is None else float(back),
                    {k: float(v) for k, v in d.get("compiled_backward", {}).items()},
-                   {k: MeasuredScale(int(n), [Span(*x) for x in spans], batch)
-                    for k, (n, spans, batch) in d.get("regions", {}).items()})
+                   {k: MeasuredScale(int(r[0]), [Span(*x) for x in r[1]], r[2])  # a scale without its graph's
+                    for k, r in d.get("regions", {}).items() if len(r) == 3 and r[2]})  # key: measured again
 
     def for_compiler(self, name: str) -> Calibration:
         """The table as programs compiled by `name` run: its measured scales in place of fx's ("fx", or a

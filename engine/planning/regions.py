@@ -11,8 +11,11 @@ normalised to a time-weighted mean of 1: the whole model's scale stays what the 
 own program pays launches and boundaries no stage of a plan pays twice), and the spans say how that time is
 spread. The result is a `MeasuredScale` over the microbatch graph's equations (`engine.planning.measured`),
 which the cost model applies to plans of that graph (`CostModel.scale_of`); a rebalance's stage ratios multiply
-on top. A cut makes ops the whole model's programs lack (a span's first convolution computes an input grad);
-they are timed and join the table.
+on top. A scale is kept per compiler for one microbatch graph, known by its equation count and `batch_key` (its
+batch shapes): a table reused after an edit of the model that keeps those and every op signature would keep
+stale spans, and two jobs of other microbatch sizes sharing a table measure them again in turn. A cut makes ops
+the whole model's programs lack (a span's first convolution computes an input grad); they are timed and join the
+table.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import ir
 
 from .artifacts import autodiff
 from .blocks import crossing_bytes, module_cuts
-from .calibration import Calibration, ProgramCompiler, ProgramScale, calibrate, ops_sums, program_seconds, signature
+from .calibration import Calibration, ProgramCompiler, calibrate, ops_sums, program_seconds, signature
 from .measured import MeasuredScale, Span, batch_key
 
 log = logging.getLogger("engine.calibrate")
@@ -37,7 +40,8 @@ REGIONS = 4  # spans a model is timed in: each costs a compile of its forward an
 def region_cuts(times: Sequence[float], regions: int = REGIONS, candidates: Sequence[int] | None = None) -> list[int]:
     """Cut points (equation indices, strictly inside the graph) splitting equations of forward `times` into at
     most `regions` spans of about equal time, each taken from `candidates` (a model's module boundaries) where
-    given, else anywhere: the candidate whose time before it is nearest each 1/regions share."""
+    given, else anywhere: the candidate whose time before it is nearest each 1/regions share, if within half a
+    share of it (uneven boundaries give fewer regions, not slivers)."""
     total = sum(times)
     points = sorted(c for c in (candidates if candidates is not None else range(1, len(times))) if 0 < c < len(times))
     if total <= 0 or regions < 2 or not points:
@@ -46,8 +50,10 @@ def region_cuts(times: Sequence[float], regions: int = REGIONS, candidates: Sequ
     before = [prefix[p] for p in points]
     cuts: list[int] = []
     for k in range(1, regions):
-        best = min(range(len(points)), key=lambda j: abs(before[j] - total * k / regions))
-        if (not cuts or points[best] > cuts[-1]) and 0 < before[best] < total:
+        target = total * k / regions
+        best = min(range(len(points)), key=lambda j: abs(before[j] - target))
+        near = abs(before[best] - target) <= total / (2 * regions)  # else a sliver of a region: launches, no work
+        if near and (not cuts or points[best] > cuts[-1]) and 0 < before[best] < total:
             cuts.append(points[best])
     return cuts
 
@@ -55,37 +61,35 @@ def region_cuts(times: Sequence[float], regions: int = REGIONS, candidates: Sequ
 def with_regions(g: ir.Graph, device: torch.device, table: Calibration, inputs: Sequence[torch.Tensor],
                  compilers: Mapping[str, ProgramCompiler], known: Calibration | None = None) -> Calibration:
     """`table` (from `calibrate_training` on microbatch graph `g` and its real `inputs`) with each of
-    `compilers`' region scales: kept from `known` (the table as loaded) where nothing it rests on changed (the
-    op times, the compiler's whole-model scales, the graph), else measured. A failed measurement is kept as a
+    `compilers`' region scales: kept from `known` (the table as loaded) where nothing they rest on changed (the
+    op times, the graph), else measured. A failed measurement is kept as a
     scale of no spans (nothing applies), so later launches do not retry it until the table changes."""
     out = {name: r for name, r in table.regions.items() if _current(name, table, known, g)}  # the rest is stale
     for name, compiler in compilers.items():
         if name in out:
             continue
-        mine = table.for_compiler(name)
-        whole = ProgramScale(mine.scale, mine.backward_scale if mine.backward_scale is not None else mine.scale)
-        found, table = region_scale(g, device, table, inputs, whole, level=False if name == "fx" else "cheap",
+        found, table = region_scale(g, device, table, inputs, level=False if name == "fx" else "cheap",
                                     compile_program=compiler)
         out[name] = found if found is not None else MeasuredScale(len(g.eqns), (), batch_key(g))
     return attrs.evolve(table, regions=out)
 
 
 def _current(name: str, table: Calibration, known: Calibration | None, g: ir.Graph) -> bool:
-    """Whether `known`'s region scales of compiler `name` still hold for `table` and graph `g`."""
+    """Whether `known`'s region scales of compiler `name` still hold for `table` and graph `g`: measured on this
+    graph, and no op timed anew since (the whole model's scale does not enter them: they are normalised)."""
     if known is None or name not in known.regions or not known.regions[name].matches(g):
         return False
-    a, b = table.for_compiler(name), known.for_compiler(name)
-    return table.times == known.times and (a.scale, a.backward_scale) == (b.scale, b.backward_scale)
+    return table.times == known.times
 
 
-def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Sequence[torch.Tensor],
-                 whole: ProgramScale, *, level: bool | str = False, repeats: int = 3,
+def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Sequence[torch.Tensor], *,
+                 level: bool | str = False, repeats: int = 3,
                  compile_program: ProgramCompiler = ir.compile_graph,
                  regions: int = REGIONS) -> tuple[MeasuredScale | None, Calibration]:
-    """Each region's (`region_cuts` of `g`) measured over planned forward and backward seconds, normalised (the
-    module docstring), and `cal` with the ops only the regions' programs have timed. None when the model is too
-    small to cut, a region's program cannot run here (logged: out of memory, say), or some op of it cannot be
-    timed alone (logged). `whole` is the whole model's scale for this compiler: the ratios are relative to it."""
+    """Each region's (`region_cuts` of `g`) measured over its ops' calibrated forward and backward seconds,
+    normalised (the module docstring), and `cal` with the ops only the regions' programs have timed. None when the
+    model is too small to cut, a region's program cannot run here (logged: out of memory, say), or some op of it
+    cannot be timed alone (logged)."""
     times = [cal.times.get(signature(e), 0.0) for e in g.eqns]
     cuts = region_cuts(times, regions, module_cuts(g, crossing_bytes(g)) or None)
     if not cuts or len(inputs) != len(g.inputs):
@@ -111,16 +115,16 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
             return None, cal
         values.update(zip(stage.acts_out, outs))
         runs.append((stage.start, stage.stop, sums.forward, sums.backward, f_run, b_run))
-    found = MeasuredScale(len(g.eqns), _normalised(runs, whole), batch_key(g))
-    log.info("calibration: regions run %s their ops' calibrated sum, over the whole model's scale", found)
+    found = MeasuredScale(len(g.eqns), _normalised(runs), batch_key(g))
+    log.info("calibration: regions run %s their ops' calibrated sum, over the model's mean", found)
     return found, cal
 
 
-def _normalised(runs: Sequence[tuple[int, int, float, float, float, float]], whole: ProgramScale) -> list[Span]:
-    """Each region's forward and backward ratio (seconds over ops' sum, over `whole`), scaled so their means
-    weighted by the regions' ops' sums are 1."""
-    f = [run / ops / whole.forward if ops > 0 and whole.forward > 0 else 1.0 for _, _, ops, _, run, _ in runs]
-    b = [run / ops / whole.backward if ops > 0 and whole.backward > 0 else 1.0 for _, _, _, ops, _, run in runs]
+def _normalised(runs: Sequence[tuple[int, int, float, float, float, float]]) -> list[Span]:
+    """Each region's forward and backward seconds over its ops' sums, scaled so their means weighted by the
+    regions' ops' sums are 1."""
+    f = [run / ops if ops > 0 else 1.0 for _, _, ops, _, run, _ in runs]
+    b = [run / ops if ops > 0 else 1.0 for _, _, _, ops, _, run in runs]
     f_mean = _weighted_mean(f, [r[2] for r in runs])
     b_mean = _weighted_mean(b, [r[3] for r in runs])
     return [Span(start, stop, fr / f_mean, br / b_mean, br / b_mean)

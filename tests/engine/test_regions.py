@@ -10,7 +10,8 @@ import torch
 
 import engine
 import ir
-from engine.planning.calibration import Calibration, ProgramScale, calibrate_training, signature
+from engine.planning.blocks import crossing_bytes, module_cuts
+from engine.planning.calibration import Calibration, calibrate_training, signature
 from engine.planning.measured import MeasuredScale, Span, batch_key, combined
 from engine.planning.regions import _normalised, region_cuts, region_scale, with_regions
 
@@ -51,13 +52,15 @@ def test_regions_cut_the_forward_time_into_about_equal_spans() -> None:
     assert region_cuts([0.0, 0.0], 4) == [] and region_cuts([1.0], 4) == []
     assert region_cuts([1.0] * 8, 4, candidates=[3, 5]) == [3, 5]  # only at module boundaries: the nearest
     assert region_cuts([1.0] * 8, 2, candidates=[]) == []
+    assert region_cuts([1.0] * 100, 4, candidates=[1, 99]) == []  # boundaries far from every share: no slivers
+    assert region_cuts([1.0] * 100, 4, candidates=[1, 30, 52, 99]) == [30, 52]
 
 
 def test_the_mlps_regions_fall_between_its_layers() -> None:
     """Module boundaries: a layer's matmul and its tanh stay in one region (a fusing compiler fuses them)."""
     params, inputs, g = _model()
     cal = calibrate_training(g, "cpu", repeats=2)
-    found, _ = region_scale(g, torch.device("cpu"), cal, inputs, ProgramScale())
+    found, _ = region_scale(g, torch.device("cpu"), cal, inputs)
     assert found is not None
     assert all(g.eqns[s.start].op == "aten.matmul.default" for s in found.spans)  # each span starts at a matmul
 
@@ -75,13 +78,13 @@ def test_combined_multiplies_each_equations_ratios() -> None:
 
 
 def test_region_ratios_are_normalised_to_a_weighted_mean_of_one() -> None:
-    """Two regions of ops' sums 1 and 3 ms running 2 and 3 ms forward (ratios 2 and 1 over a whole scale of 1):
-    their mean weighted by the sums is 1.25, so 1.6 and 0.8; the backward likewise on its own sums."""
+    """Two regions of ops' sums 1 and 3 ms running 2 and 3 ms forward (ratios 2 and 1): their mean weighted by
+    the sums is 1.25, so 1.6 and 0.8; the backward likewise on its own sums (ratios 1 and 3, mean 2)."""
     runs = [(0, 4, 1e-3, 2e-3, 2e-3, 2e-3), (4, 9, 3e-3, 2e-3, 3e-3, 6e-3)]
-    spans = _normalised(runs, ProgramScale(1.0, 2.0))
+    spans = _normalised(runs)
     assert [(s.start, s.stop) for s in spans] == [(0, 4), (4, 9)]
     assert [s.forward for s in spans] == pytest.approx([1.6, 0.8])
-    assert [s.backward_input for s in spans] == pytest.approx([0.5, 1.5])  # 2/2/2 = 0.5, 6/2/2 = 1.5: mean 1
+    assert [s.backward_input for s in spans] == pytest.approx([0.5, 1.5])
     assert [s.backward_weight for s in spans] == [s.backward_input for s in spans]
 
 
@@ -90,8 +93,7 @@ def test_a_slow_region_is_measured_slow_relative_to_the_others() -> None:
     spans cover the graph, and the scale is recorded for this graph's microbatch."""
     params, inputs, g = _model()
     cal = calibrate_training(g, "cpu", repeats=2)  # op times only (no inputs: no program scale)
-    found, _ = region_scale(g, torch.device("cpu"), cal, inputs, ProgramScale(),
-                            compile_program=_slow_first_forward({}))
+    found, _ = region_scale(g, torch.device("cpu"), cal, inputs, compile_program=_slow_first_forward({}))
     assert found is not None and found.num_eqns == len(g.eqns) and found.batch == batch_key(g)
     assert found.spans[0].start == 0 and found.spans[-1].stop == len(g.eqns) and len(found.spans) == 4
     assert all(a.stop == b.start for a, b in zip(found.spans, found.spans[1:]))
@@ -104,12 +106,13 @@ def test_ops_only_a_regions_programs_have_are_timed_and_kept() -> None:
     the whole model's table): the regions time them rather than giving up, and the grown table keeps them."""
     params, inputs, g = _model(layers=4)
     cal = calibrate_training(g, "cpu", repeats=2)
-    backward_ops = {signature(e) for s in ir.split(g, region_cuts([1.0] * len(g.eqns), 4))
+    cuts = region_cuts([cal.times.get(signature(e), 0.0) for e in g.eqns], 4, module_cuts(g, crossing_bytes(g)))
+    backward_ops = {signature(e) for s in ir.split(g, cuts)
                     for e in ir.stage_autodiff(s.graph, constant=range(len(s.param_ids), len(s.param_ids)
                                                                         + len(s.batch_ids))).backward.graph.eqns}
     lacking = attrs.evolve(cal, times={k: v for k, v in cal.times.items() if k not in backward_ops})
     assert len(lacking.times) < len(cal.times)
-    found, grown = region_scale(g, torch.device("cpu"), lacking, inputs, ProgramScale())
+    found, grown = region_scale(g, torch.device("cpu"), lacking, inputs)
     assert found is not None and set(cal.times) <= set(grown.times)
 
 
@@ -128,9 +131,24 @@ def test_with_regions_measures_once_keeps_what_holds_and_measures_again_what_cha
     again = calibrate_training(g, "cpu", repeats=2, inputs=inputs, calibration=known)
     assert with_regions(g, dev, again, inputs, {"fx": _slow_first_forward(calls)}, known) == known
     assert calls["compiles"] == first  # nothing it rests on changed: not measured again
-    rescaled = attrs.evolve(again, scale=again.scale * 2)  # the whole model's scale measured anew
-    redone = with_regions(g, dev, rescaled, inputs, {"fx": _slow_first_forward(calls)}, known)
+    assert with_regions(g, dev, attrs.evolve(again, scale=again.scale * 2), inputs, {"fx": ir.compile_graph},
+                        known).regions == known.regions  # the whole scale does not enter them (normalised)
+    retimed = attrs.evolve(again, times={**again.times, "a new op": 1e-3})  # ops timed anew (another model, say)
+    redone = with_regions(g, dev, retimed, inputs, {"fx": _slow_first_forward(calls)}, known)
     assert calls["compiles"] > first and redone.regions["fx"].matches(g)  # measured again, not kept
+
+
+def test_a_table_whose_regions_lack_their_graphs_key_loads_without_them(  # type: ignore[no-untyped-def]
+        tmp_path) -> None:
+    """Tables of the first version (two fields a region, no graph key) load, their regions to be measured again."""
+    import json
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"device": "cuda", "times": {"k": 1e-3}, "scale": 1.1, "compiled": {},
+                                "backward_scale": 1.2, "compiled_backward": {},
+                                "regions": {"inductor": [10, [[0, 5, 1.5, 1.0, 1.0], [5, 10, 0.8, 1.0, 1.0]]]}}))
+    old = Calibration.load(path)
+    assert old.regions == {} and old.times == {"k": 1e-3} and old.backward_scale == 1.2
 
 
 def test_a_region_that_cannot_run_is_recorded_and_not_tried_again() -> None:
