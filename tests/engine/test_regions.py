@@ -185,3 +185,22 @@ def test_the_planner_moves_the_cut_off_a_region_measured_slow(slow: str) -> None
     assert moved.predicted_step_time > 1.3 * even.predicted_step_time
     other = engine.plan(_mlp, params, x, calibration=scaled, **dict(kw, microbatches=4))  # another graph
     assert other == engine.plan(_mlp, params, x, calibration=plain, **dict(kw, microbatches=4))
+
+
+def test_a_hugging_face_llama_gets_region_scales_through_parallelize(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A model we did not write (transformers' Llama, tiny config, float64): `parallelize(calibrate=path)` measures
+    fx's region scales on its microbatch graph, normalised, and a second launch on the saved table keeps them."""
+    from tests.models import zoo
+
+    c = zoo.causal_lm("llama")
+    path = tmp_path / "cal.json"
+    step = engine.parallelize(c.fn, c.params, *c.batch, microbatches=2, schedule="1f1b", calibrate=path)
+    loss, _ = step(step.shard(c.params), *c.batch)
+    step.close()
+    table = Calibration.load(path)
+    region = table.regions["fx"]
+    assert torch.isfinite(loss) and len(region.spans) >= 2 and region.num_eqns == len(step.graph.eqns)
+    assert region.matches(step.graph) and all(0.2 < s.forward < 5 and 0.2 < s.backward_input < 5 for s in region.spans)
+    again = engine.parallelize(c.fn, c.params, *c.batch, microbatches=2, schedule="1f1b", calibrate=path)
+    again.close()
+    assert Calibration.load(path).regions == table.regions
