@@ -62,8 +62,8 @@ def with_regions(g: ir.Graph, device: torch.device, table: Calibration, inputs: 
                  compilers: Mapping[str, ProgramCompiler], known: Calibration | None = None) -> Calibration:
     """`table` (from `calibrate_training` on microbatch graph `g` and its real `inputs`) with each of
     `compilers`' region scales: kept from `known` (the table as loaded) where nothing they rest on changed (the
-    op times, the graph), else measured. A failed measurement is kept as a
-    scale of no spans (nothing applies), so later launches do not retry it until the table changes."""
+    op times, the graph), else measured; other compilers' scales are kept while they hold. A failed measurement is
+    kept as a scale of no spans (nothing applies), so later launches do not retry it until the table changes."""
     out = {name: r for name, r in table.regions.items() if _current(name, table, known, g)}  # the rest is stale
     for name, compiler in compilers.items():
         if name in out:
