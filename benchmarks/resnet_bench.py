@@ -12,7 +12,8 @@ Rows (each: images/s, seconds per step (median of --steps after --warmup), peak 
   ddp      DistributedDataParallel, every rank the whole model and 1/world of the batch (BN per rank)
   gpipe    torch.distributed.pipelining ScheduleGPipe, the model cut by hand into `world` stages at the
            block boundary nearest half the parameters, the same microbatches as fnpipe
-No optimizer step in any row: forward + backward + grad sync only, the same work in each. Peak memory is
+No optimizer step in any row: forward + backward + grad sync only, the same work in each, the batch on the device
+in each (fnpipe's row also times its step given the batch on the host: `host_batch_seconds`). Peak memory is
 `torch.cuda.max_memory_allocated` (GPU) or "-" on CPU. Rows run one after the other, each freeing the last.
 """
 from __future__ import annotations
@@ -105,13 +106,16 @@ def fnpipe_row(args: argparse.Namespace, world: engine.World, compiler: str) -> 
     step = engine.parallelize(fn, variables, x, y, schedule=args.schedule, microbatches=args.microbatches, **layout,
                               has_aux=train, calibrate=args.calibrate, compiler=compiler, min_microbatch_size=1)
     local = step.shard(variables)
-    seconds, peak = timed(lambda: step(local, x, y), args, world.device)
+    on_device = x.to(world.device), y.to(world.device)  # as the DDP and GPipe rows get theirs
+    seconds, peak = timed(lambda: step(local, *on_device), args, world.device)
+    host_seconds, _ = timed(lambda: step(local, x, y), args, world.device)
     plan, from_programs = step.plan, step.predicted_step_time
     replayed = [round(f.peak / 2**30, 2) for f in step.memory()]
     against = step.against_plan()
     moved = None if step.rebalanced is None else str(step.rebalanced)
     step.close()
-    return {"row": f"fnpipe {compiler}", "seconds": seconds, "peak_gib": peak, "predicted": plan.predicted_step_time,
+    return {"row": f"fnpipe {compiler}", "seconds": seconds, "host_batch_seconds": host_seconds, "peak_gib": peak,
+            "predicted": plan.predicted_step_time,
             "program_predicted": from_programs, "predicted_peak_gib_per_rank": replayed, "against_plan": against,
             "rebalanced": moved,
             "layout": f"{plan.schedule} {plan.num_stages} stages x dp {plan.dp}, {plan.microbatches} x "
@@ -228,6 +232,8 @@ def row_text(r: dict[str, Any]) -> str:
                  f"{r['seconds'] / r['program_predicted']:.2f} x), replayed peak GiB {r['predicted_peak_gib_per_rank']}")
     lines = [f"  {r['row']:15s} {r['images_per_s']:9.1f} images/s  {r['seconds']:.4f} s/step  peak GiB "
              f"{r['peak_gib_per_rank']}{pred}  [{r['layout']}]"]
+    if r.get("host_batch_seconds"):
+        lines.append(f"    the batch on the host: {r['host_batch_seconds']:.4f} s/step")
     if r.get("rebalanced"):
         lines.append(f"    {r['rebalanced']}")
     if r.get("against_plan"):
