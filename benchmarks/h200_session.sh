@@ -26,7 +26,7 @@
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourwhy|fourcheck|fourdp|fourall|resnet|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourwhy|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -95,6 +95,14 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       for f in "$why"/*/spans_*.json; do [ -f "$f" ] && gzip -c "$f" > "$out/why/$(basename "$(dirname "$f")")_$(basename "$f").gz"; done
       for f in "$out"/why/*.txt; do echo "==== $f"; grep -v -E "^\s+[0-9]+: |^\[W|UserWarning|warnings.warn" "$f" | tail -n 60; done
       ;;
+    resnetwhy)  # 2 GPUs: ResNet-101x4 1f1b, inductor then fx, uncalibrated: the step against its programs, each
+                # program's kernels, span and gaps in a profiled step against in turn (NOTES.md, Open)
+      export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
+      OUT=/tmp/fnpipe_why_resnet timeout "${RESNET_TIMEOUT:-420}" torchrun --nproc_per_node 2 --master-port 29525 \
+        benchmarks/diagnose_p2.py --families resnet --compilers auto,fx --schedule 1f1b --timeout 240 \
+        > "$out/resnetwhy.txt" 2>&1; echo "== resnetwhy: exit $?"
+      grep -v -E "^\s+[0-9]+: |^\[W|UserWarning|warnings.warn|INFO\]" "$out/resnetwhy.txt" | tail -n 120
+      ;;
     fourcheck)  # 4 GPUs: what session 12 left (benchmarks/NOTES.md, Open)
       FNPIPE_GATED_RECV=1 ENGINE_LOG_LEVEL_LAUNCH=INFO timeout 150 mpirun --allow-run-as-root -n 4 \
         python3 tests/mpi/equivalence.py > "$out/equivalence_gated.txt" 2>&1
@@ -133,7 +141,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
         --risky-timeout 60 --out-dir "$out/schedlib"
       OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
       ;;
-    *) echo "unknown part $part (two, one, profile, examples, four, fourwhy, fourcheck, fourdp, fourall, resnet or schedlib)"; exit 2 ;;
+    *) echo "unknown part $part (two, one, profile, examples, four, fourwhy, fourcheck, fourdp, fourall, resnet, resnetwhy or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"
