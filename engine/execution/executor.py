@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -56,8 +57,7 @@ class Executor:
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.grads: dict[int, torch.Tensor] = {}
         self.templates = {}
-        self.loss = torch.zeros((), dtype=_summed(self.loss_dtype), device=self.device)
-        self.aux = [torch.zeros(a.shape, dtype=_summed(a.dtype), device=self.device) for a in self.aux_avals]
+        self.loss, *self.aux = self._totals()
         tracer = self.tracer
         if tracer is not None:
             tracer.begin_step()
@@ -74,6 +74,21 @@ class Executor:
         if tracer is not None:
             tracer.end_step()
         return self.loss, self.grads
+
+    def _totals(self) -> list[torch.Tensor]:
+        """Zeroed loss and aux totals, each group of one summing dtype (`sum_groups`) views of one flat buffer:
+        one fill a step, and `reduce_loss` sums each buffer in place (a BatchNorm net has a hundred aux leaves)."""
+        shapes = [(), *(a.shape for a in self.aux_avals)]
+        dtypes = [_summed(self.loss_dtype), *(_summed(a.dtype) for a in self.aux_avals)]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+        self.flat_totals = []
+        for group in self.sum_groups:
+            sizes = [math.prod(shapes[k]) for k in group]
+            flat = torch.zeros(sum(sizes), dtype=dtypes[group[0]], device=self.device)
+            self.flat_totals.append(flat)
+            for k, piece in zip(group, flat.split(sizes)):
+                out[k] = piece.view(shapes[k])
+        return out
 
     def _annotation(self, call: Call) -> Any:
         """A profiler range named by the compute's program (`program_label`) when `annotate` is on, else none: the
@@ -270,16 +285,8 @@ class Executor:
         if self.transport.world_size == 1:
             return
         everyone = tuple(range(self.transport.world_size))
-        if not self.aux:
-            self.transport.all_reduce(self.loss, everyone)
-            return
-        totals = [self.loss, *self.aux]
-        for dtype in dict.fromkeys(t.dtype for t in totals):  # one sum per dtype, in the same order on every rank
-            group = [t for t in totals if t.dtype == dtype]
-            flat = _flatten_dense_tensors(group)
+        for flat in self.flat_totals:  # one sum per summing dtype, in the same order on every rank, in place
             self.transport.all_reduce(flat, everyone)
-            for t, summed in zip(group, _unflatten_dense_tensors(flat, group)):
-                t.copy_(summed)
 
 
 class _Pending:

@@ -110,12 +110,14 @@ class Inputs:
         return world_size > 1 and (self.check == "every" or (self.check == "first" and not self.checked))
 
     # -- one rank, no communication ---------------------------------------------------------------
-    def problem(self, params: Any, batch: Sequence[Any]) -> Problem | None:
-        """The first thing wrong with this rank's params (the tree from step.shard) or batch, or None."""
-        return self._params_problem(params) or self._batch_problem(batch)
+    def problem(self, params: Any, batch: Sequence[Any], flat: tuple[list[Any], pytree.TreeSpec] | None = None
+                ) -> Problem | None:
+        """The first thing wrong with this rank's params (the tree from step.shard) or batch, or None; `flat`: the
+        params already flattened (`pytree.tree_flatten` with None as a leaf), not flattened again."""
+        return self._params_problem(params, flat) or self._batch_problem(batch)
 
-    def _params_problem(self, params: Any) -> Problem | None:
-        leaves, spec = pytree.tree_flatten(params, is_leaf=lambda x: x is None)
+    def _params_problem(self, params: Any, flat: tuple[list[Any], pytree.TreeSpec] | None = None) -> Problem | None:
+        leaves, spec = flat if flat is not None else pytree.tree_flatten(params, is_leaf=lambda x: x is None)
         g, rank = self.graph, self.world.rank
         wrong = _tree_difference(params, spec, g.input_names[:g.num_params], self._params_spec())
         if len(leaves) != g.num_params or wrong:

@@ -223,12 +223,12 @@ class Step:
         if self.closed:
             raise PlanError("this step was closed (step.close() or the end of its `with` block); call "
                             "engine.parallelize again for a new one")
-        problem = self.inputs.problem(params, batch)  # this rank alone: no communication
+        leaves, tree = pytree.tree_flatten(params, is_leaf=lambda x: x is None)
+        problem = self.inputs.problem(params, batch, (leaves, tree))  # this rank alone: no communication
         if self.inputs.due(self.transport.world_size):
             self.inputs.agree(self.transport, problem, params, batch)
         elif problem is not None:
             raise problem.error
-        leaves, tree = pytree.tree_flatten(params, is_leaf=lambda x: x is None)
         local = {pid: leaves[pid] for pid in self.local_params}
         m, dp = self.plan.microbatches, self.plan.dp
         chunks = split_batch(batch, m * dp)[self.replica * m:(self.replica + 1) * m]
