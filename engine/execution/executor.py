@@ -73,11 +73,15 @@ class Executor:
         self._drain_sends()
         if tracer is not None:
             tracer.end_step()
+        # the user's loss and aux leaves on storage of their own (one multi-tensor kernel), not views keeping the
+        # flat totals alive (a ResNet-101's are 4.8 MiB: a kept loss would hold all of it)
+        self.loss, *self.aux = torch._foreach_mul([self.loss, *self.aux], 1.0)
         return self.loss, self.grads
 
     def _totals(self) -> list[torch.Tensor]:
         """Zeroed loss and aux totals, each group of one summing dtype (`sum_groups`) views of one flat buffer:
-        one fill a step, and `reduce_loss` sums each buffer in place (a BatchNorm net has a hundred aux leaves)."""
+        one fill a step, and `reduce_loss` sums each buffer in place (a BatchNorm net has a hundred aux leaves);
+        `run` hands out copies."""
         shapes = [(), *(a.shape for a in self.aux_avals)]
         dtypes = [_summed(self.loss_dtype), *(_summed(a.dtype) for a in self.aux_avals)]
         out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
