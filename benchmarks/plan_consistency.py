@@ -50,15 +50,16 @@ def main() -> None:
     cal = Calibration.from_json(Path(args.calibrate).read_text()).for_compiler(args.compiler)
     profile = get_device(plan.device)
     model = CostModel(profile, get_link(None, profile), cal)
-    print(f"plan: {plan.num_stages} stage(s), {plan.stages[0]!r}"[:600])
-    print(f"plan: F {plan.stages[0].forward_time * 1e3:.3f} ms, B+W "
-          f"{(plan.stages[0].backward_input_time + plan.stages[0].backward_weight_time) * 1e3:.3f} ms")
-    print(f"scales: forward {cal.scale:.4f}, backward {cal.backward_scale}")
+    first = plan.stages[0]
+    planned_bw = first.backward_input_time + first.backward_weight_time
+    print(f"plan ({plan.num_stages} stage, recompute {plan.recompute}, cheap {plan.remat}): F "
+          f"{first.forward_time * 1e3:.3f} ms, B+W {planned_bw * 1e3:.3f} ms")
+    print(f"scales: forward {cal.scale:.4f}, backward {cal.backward_scale:.4f}")
     for level in (False, "cheap"):
         ad = autodiff(ir.split(g, [])[0], level, device=str(device))
         sums = ops_sums(ad, g, cal)
-        acc_whole = sum(cal.times.get(accumulate_signature(g.inputs[sums.param_grads[ad.backward.out_slots[k]]].aval), 0.0)
-                        for k in sums.accumulate)
+        grad_avals = [g.inputs[sums.param_grads[ad.backward.out_slots[k]]].aval for k in sums.accumulate]
+        acc_whole = sum(cal.times.get(accumulate_signature(a), 0.0) for a in grad_avals)
         st = exact(g, [], model, device=str(device), recompute=[level])[0]
         b_ops = model.graph_time(ad.backward_input.graph, backward=True)
         w_ops = model.graph_time(ad.backward_weight.graph, backward=True)
@@ -74,8 +75,9 @@ def main() -> None:
                         if signature(e) in cal.times)
         missing = [e for e in (*ad.backward_input.graph.eqns, *ad.backward_weight.graph.eqns)
                    if signature(e) not in cal.times and model.eqn_time(e) > 0]
-        print(f"  ops the table lacks in B/W: {len(missing)} ({sum(model.eqn_time(e, backward=True) for e in missing) * 1e3:.3f} ms "
-              f"by roofline): {Counter(e.op for e in missing).most_common(6)}")
+        guessed = sum(model.eqn_time(e, backward=True) for e in missing)
+        print(f"  ops the table lacks in B/W: {len(missing)} ({guessed * 1e3:.3f} ms by roofline): "
+              f"{Counter(e.op for e in missing).most_common(6)}")
         diff = {op: (fused[op], split[op]) for op in set(fused) | set(split) if fused[op] != split[op]}
         print(f"  ops counted differently (fused, B+W): {sorted(diff.items())[:12]}")
         tf: dict[str, float] = {}
