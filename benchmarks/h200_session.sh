@@ -131,6 +131,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       [ "${RESNET_ONE_GPU:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/resnet_bench.py \
         --model resnet101x4 --rows fnpipe --compiler fx,inductor --calibrate "$cal/resnet.json" --steps 5 \
         --json "$out/resnet1.json"
+      cp "$cal/resnet.json" "$out/calibration_resnet.json" 2>/dev/null  # the table the rows were planned with
       ;;
     schedlib)  # 2 GPUs (4 when present): the schedule library beside PyTorch's same-named schedules, then the dualpipev trace
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
