@@ -85,7 +85,7 @@ def _ancestors(g: Graph, targets: Sequence[Any]) -> set[int]:
 # What tracing `torch.zeros_like(x)` records (the Python binding fills pin_memory in): the stitched joint's
 # zeros are the traced joint's equation for equation, so a calibration table keyed by op signature times them
 # once for both (without it, every BatchNorm layer's zeros were costed by the roofline on the planner's side:
-# ResNet-101x4's backward planned 3.3 % under its measured program on an H100, 2026-11-26).
+# ResNet-101x4's backward planned 3.2-3.4 % under its measured program on an H100, 2026-11-26).
 ZEROS_LIKE_KWARGS = (("pin_memory", False),)
 
 

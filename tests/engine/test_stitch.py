@@ -149,7 +149,7 @@ def test_a_calibrated_one_stage_plan_costs_the_programs_its_scales_measured() ->
     """A calibration's scales are the whole model's forward and fused backward programs over their ops' (and
     accumulations') sums, so a one-stage plan of that model costs them at exactly scale x those sums. The search
     prices stitched programs (ir.stitch): a stitched equation the table lacks would take the roofline's price
-    instead (ResNet-101x4's BatchNorm zeros did, 3.3 % of its backward on an H100, until 45128ba)."""
+    instead (ResNet-101x4's BatchNorm zeros did, 3.2-3.4 % of its backward on an H100, until 45128ba)."""
     fn, params, batch, aux = _resnet(True)
     shop = Workshop(fn, params, batch, has_aux=aux)
     g = shop.graph(2)
