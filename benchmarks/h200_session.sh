@@ -101,6 +101,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       OUT=/tmp/fnpipe_why_resnet timeout "${RESNET_TIMEOUT:-420}" torchrun --nproc_per_node 2 --master-port 29525 \
         benchmarks/diagnose_p2.py --families resnet --compilers auto,fx --schedule 1f1b --timeout 240 \
         > "$out/resnetwhy.txt" 2>&1; echo "== resnetwhy: exit $?"
+      for f in /tmp/fnpipe_why_resnet/spans_*.json; do [ -f "$f" ] && gzip -c "$f" > "$out/resnetwhy_$(basename "$f").gz"; done
       grep -v -E "^\s+[0-9]+: |^\[W|UserWarning|warnings.warn|INFO\]" "$out/resnetwhy.txt" | tail -n 120
       ;;
     fourcheck)  # 4 GPUs: what session 12 left (benchmarks/NOTES.md, Open)
