@@ -13,11 +13,14 @@ again; the plan cache entry of the training plan is the only one (evaluation der
 every time, deterministically on every rank). Each rank runs its stages' forward graphs microbatch by
 microbatch, in (microbatch, stage) order, receiving activations from the previous stage's rank and
 sending to the next over the training step's channels: the earliest unfinished (microbatch, stage) can
-always run, so the order cannot deadlock (GPipe's forward). Each replica evaluates its share of the batch.
+always run, so the order cannot deadlock (GPipe's forward). Each dp replica evaluates its share of the batch,
+and inside one a position replicated k times (`plan.replicas`) runs microbatch i on its replica i mod k, as
+training routes it (`routing.world_rank`): activations go to the rank that owns the microbatch at the next
+position, over the channels training made for it.
 
 `gather` says who gets the outputs: "all" (default) every rank, the full batch in order (one sum over all
 ranks of zero-padded outputs: meant for logits, not for activations of a whole batch); "local" the
-ranks of the last stage, their replica's rows; None on the others.
+ranks of the last stage, the rows of the microbatches each ran, in batch order; None on the others.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from ..errors import PlanError, RuntimeMismatchError
 from ..planning.artifacts import StageInfo
 from ..planning.plan import fingerprint
 from ir.device import rank_neutral
+
+from . import routing
 
 __all__ = ["GATHER", "Evaluator", "eval_cuts"]
 
@@ -85,8 +90,9 @@ def _param_reads(graph: ir.Graph) -> list[frozenset[int]]:
 
 def lent(train: Sequence[StageInfo], stages: Sequence[ir.Stage], rank_of: Callable[[int], int],
          holds: Callable[[int], set[int]], names: Sequence[str]) -> list[tuple[int, int, int]]:
-    """(param id, from pipeline position, to position): params an eval stage reads that its rank does not hold
-    for training, each sent by the rank of the training stage that reads it (a neighbour) at every evaluate."""
+    """(param id, from pipeline position, to position): params an eval stage reads that its position does not
+    hold for training, each sent by the position of the training stage that reads it (a neighbour) at every
+    evaluate. `holds(q)`: the params position q holds."""
     owner, out = owners(train), []
     for st in stages:
         dst = rank_of(st.index)
@@ -115,8 +121,11 @@ class Evaluator:
                                 tuple(inputs))
         with _TRACING:  # make_fx is not thread-safe; in-process ranks are threads
             self.graph = ir.trace(forward, pytree.tree_unflatten(specs, tree), *batch, device=step.world.device.type)
-        holders = step.holders()
-        held = lambda q: {pid for pid, ranks in holders.items() if q in ranks}  # noqa: E731  (position q, replica 0)
+        holders, plan = step.holders(), step.plan
+        held = lambda q: {pid for pid, ranks in holders.items()  # noqa: E731  (position q's first rank of dp replica 0)
+                          if routing.world_rank(plan, 0, q, 0) in ranks}
+        self.mine = frozenset(step.microbatches)  # of the dp replica's microbatches, those this rank runs
+        self.replica_of_position = routing.place(plan, step.world.rank).replica
         self.cuts = eval_cuts(step.infos, self.graph)
         self.stages = ir.split(self.graph, self.cuts)
         self.lent = lent(step.infos, self.stages, step.table.rank_of, held, g.input_names)
@@ -145,11 +154,13 @@ class Evaluator:
         leaves = self._borrow(leaves, sends)
         with torch.no_grad():
             for mb, chunk in enumerate(chunks):
+                if mb not in self.mine:
+                    continue
                 acts: dict[int, list[torch.Tensor]] = {}
                 for s in step.local_stages:
-                    got = self._stage(s, leaves, chunk, acts.pop(s, None), sends)
+                    got = self._stage(s, mb, leaves, chunk, acts.pop(s, None), sends)
                     if self.stages[s].is_last:
-                        outs.append(got)
+                        outs.append((mb, got))
                     elif step.table.rank_of(s + 1) == step.position:
                         acts[s + 1] = got
         for work, _ in sends:
@@ -157,50 +168,58 @@ class Evaluator:
         return self._gathered(outs, inputs, gather)
 
     def _borrow(self, leaves: list[Any], sends: list[Any]) -> list[Any]:
-        """Params this rank's eval stages read but training holds on a neighbour: sent, then received."""
-        step, base, leaves = self.step, self.step.replica * self.p, list(leaves)
-        ops = [("send", base + dst, leaves[pid].contiguous()) for pid, src, dst in self.lent
-               if src == step.position and dst != step.position]
+        """Params this rank's eval stages read but training holds on a neighbouring position: replica k of the
+        receiving position gets them from the rank that runs microbatch k at the sending one (a pair training
+        sends that microbatch's activations or grads over)."""
+        step, leaves = self.step, list(leaves)
+        counts = step.plan.replicas
+        ops = [("send", self._owner(dst, k), leaves[pid].contiguous()) for pid, src, dst in self.lent
+               if src == step.position and dst != step.position
+               for k in range(counts[dst]) if self._owner(src, k) == step.world.rank]
         sends += zip(step.transport.post(ops), [t for _, _, t in ops])
         for pid, src, dst in self.lent:
             if dst == step.position and src != step.position:
                 aval = self.graph.inputs[pid].aval
                 leaves[pid] = torch.empty(aval.shape, dtype=aval.dtype, device=step.world.device)
-                step.transport.wait(step.transport.post([("recv", base + src, leaves[pid])])[0], "receiving a param")
+                peer = self._owner(src, self.replica_of_position)
+                step.transport.wait(step.transport.post([("recv", peer, leaves[pid])])[0], "receiving a param")
         return leaves
 
-    def _peer(self, stage: int) -> int:
-        return self.step.replica * self.p + self.step.table.rank_of(stage)
+    def _owner(self, position: int, mb: int) -> int:
+        """The world rank of this dp replica that runs microbatch `mb` at pipeline `position`."""
+        return routing.world_rank(self.step.plan, self.step.replica, position, mb)
 
-    def _stage(self, s: int, leaves: list[Any], chunk: list[torch.Tensor], acts: list[torch.Tensor] | None,
-               sends: list[Any]) -> list[torch.Tensor]:
-        st, step, n = self.stages[s], self.step, self.graph.num_params
-        if acts is None and st.acts_in:  # from the previous stage's rank
+    def _stage(self, s: int, mb: int, leaves: list[Any], chunk: list[torch.Tensor],
+               acts: list[torch.Tensor] | None, sends: list[Any]) -> list[torch.Tensor]:
+        st, step, n, rank_of = self.stages[s], self.step, self.graph.num_params, self.step.table.rank_of
+        if acts is None and st.acts_in:  # from the rank that ran this microbatch at the previous stage
             avals = [st.graph.inputs[len(st.param_ids) + len(st.batch_ids) + k].aval for k in range(len(st.acts_in))]
             acts = [torch.empty(a.shape, dtype=a.dtype, device=step.world.device) for a in avals]
-            for h, t in zip(step.transport.post([("recv", self._peer(s - 1), t) for t in acts]), acts):
+            peer = self._owner(rank_of(s - 1), mb)
+            for h, t in zip(step.transport.post([("recv", peer, t) for t in acts]), acts):
                 step.transport.wait(h, f"receiving stage {s}'s input (evaluate)")
         args = [leaves[p] for p in st.param_ids] + [chunk[b - n].to(step.world.device) for b in st.batch_ids]
         outs = list(self.programs[s](*args, *(acts or [])))
         sent = outs[:len(st.acts_out)]
-        if not st.is_last and step.table.rank_of(s + 1) != step.position:
-            ops = [("send", self._peer(s + 1), t.contiguous()) for t in sent]
+        if not st.is_last and rank_of(s + 1) != step.position:
+            ops = [("send", self._owner(rank_of(s + 1), mb), t.contiguous()) for t in sent]
             sends += zip(step.transport.post(ops), [t for _, _, t in ops])  # each tensor kept until sent
         return outs[len(st.acts_out):] if st.is_last else sent
 
-    def _gathered(self, outs: list[list[torch.Tensor]], inputs: Sequence[Any], gather: str) -> Any:
+    def _gathered(self, outs: list[tuple[int, list[torch.Tensor]]], inputs: Sequence[Any], gather: str) -> Any:
         step, tree = self.step, self.graph.out_tree
         rows = _rows(inputs, 1)
         last = self.stages[-1]
-        local = [torch.cat(parts) for parts in zip(*outs)] if outs else None
         if gather == "local":
+            local = [torch.cat(parts) for parts in zip(*(got for _, got in outs))] if outs else None
             return None if local is None else pytree.tree_unflatten(local, tree)
         full = []
-        share = rows // self.dp
+        each = rows // (self.dp * self.m)  # rows of one microbatch
         for k, v in enumerate(last.graph.outputs[len(last.acts_out):]):
             buf = torch.zeros((rows, *v.aval.shape[1:]), dtype=v.aval.dtype, device=step.world.device)
-            if local is not None:
-                buf[step.replica * share:(step.replica + 1) * share] = local[k]
+            for mb, got in outs:  # each microbatch's rows where the batch had them: one rank writes each
+                first = (step.replica * self.m + mb) * each
+                buf[first:first + each] = got[k]
             if step.world.size > 1:
                 step.transport.all_reduce(buf, tuple(range(step.world.size)))
             full.append(buf)

@@ -75,9 +75,12 @@ def test_running_statistics_are_one_update_over_every_microbatch_whatever_the_la
         ref(xc)
     states = []
     for layout in (dict(schedule="1f1b", stages=2, dp=1, microbatches=4), dict(schedule="gpipe", stages=4, dp=1,
-                   microbatches=4), dict(schedule="zbv", stages=4, dp=2, microbatches=2)):
-        plan = engine.plan(fn, variables, x, y, world_size=layout["stages"] // (2 if layout["schedule"] == "zbv" else 1)
-                           * layout["dp"], has_aux=True, min_microbatch_size=1, **layout)
+                   microbatches=4), dict(schedule="zbv", stages=4, dp=2, microbatches=2),
+                   dict(schedule="1f1b", stages=2, dp=1, microbatches=4, replicas=(2, 1)),
+                   dict(schedule="1f1b", stages=3, dp=1, microbatches=4, replicas=(1, 2, 1))):
+        positions = layout.get("replicas") or (1,) * (layout["stages"] // (2 if layout["schedule"] == "zbv" else 1))
+        plan = engine.plan(fn, variables, x, y, world_size=sum(positions) * layout["dp"], has_aux=True,
+                           min_microbatch_size=1, **layout)
         from engine.execution.inprocess import build_steps, run_steps
         result = run_steps(build_steps(fn, variables, (x, y), plan, has_aux=True), variables, (x, y))
         states.append(result.loss[1])

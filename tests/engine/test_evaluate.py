@@ -39,6 +39,36 @@ def test_every_layout_returns_the_eval_mode_logits(schedule: str, stages: int, d
     assert torch.allclose(rows, want, rtol=1e-12, atol=1e-14)
 
 
+REPLICAS = [("1f1b", (2, 1), 1), ("1f1b", (1, 2), 1), ("1f1b", (2, 1, 1), 1), ("1f1b", (1, 2, 1), 1),
+            ("gpipe", (2, 1), 2), ("zbv", (1, 2), 1)]
+
+
+@pytest.mark.parametrize("schedule,replicas,dp", REPLICAS)
+def test_unequal_replicas_return_the_eval_mode_logits(schedule: str, replicas: tuple[int, ...], dp: int) -> None:
+    """A position replicated k times runs microbatch i on its replica i mod k, for evaluate as for training:
+    the logits are the module's, and gather="local" gives each last-position rank its microbatches' rows."""
+    fn, variables = engine.functionalize(bn_net().train(), loss=F.cross_entropy)
+    x, y = batch()
+    stages = len(replicas) * (2 if schedule == "zbv" else 1)
+    m = 4 // dp
+    plan = engine.plan(fn, variables, x, y, world_size=sum(replicas) * dp, schedule=schedule, stages=stages,
+                       replicas=replicas, dp=dp, microbatches=m, has_aux=True, min_microbatch_size=1)
+    assert plan.replicas == replicas
+    steps = build_steps(fn, variables, (x, y), plan, has_aux=True)
+    want = copy.deepcopy(bn_net()).eval()(x).detach()
+    for got in run_each(steps, lambda s: s.evaluate(s.shard(variables), x, forward=fn.forward)):
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    local = run_each(steps, lambda s: s.evaluate(s.shard(variables), x, forward=fn.forward, gather="local"))
+    rows, last = len(x) // (m * dp), steps[0].table.rank_of(plan.num_stages - 1)  # zbv: the V ends on position 0
+    for s, got in zip(steps, local):
+        if s.position != last:
+            assert got is None
+            continue
+        mine = [(s.replica * m + mb) * rows for mb in s.microbatches]
+        assert len(mine) == m // replicas[last]
+        assert torch.allclose(got, torch.cat([want[i:i + rows] for i in mine]), rtol=1e-12, atol=1e-14)
+
+
 def test_train_then_evaluate_then_train_plans_once_and_uses_the_new_running_statistics(tmp_path: Path) -> None:
     net = bn_net()
     fn, variables = engine.functionalize(net.train(), loss=F.cross_entropy)

@@ -2,7 +2,8 @@
 
 One launch per world size runs every schedule of tests/mpi/replicas.py: 3 ranks as stage 0 x 2 +
 stage 1 x 1, 4 ranks as stage 0 x 2 + stages 1 and 2 x 1 (and 1f1b as 1 x 3), with tied weights
-and a skip across stages, the replica order (split / own) as the planner chose it.
+and a skip across stages, the replica order (split / own) as the planner chose it; then `step.evaluate` of a
+BatchNorm net on each replica layout.
 """
 from __future__ import annotations
 
@@ -28,3 +29,5 @@ def test_unequal_replicas_match_torch_func_grad_under_mpirun(ranks: int) -> None
     assert "FAIL" not in out, out
     assert {(r, s, c) for r, s, c, _ in ok} == expected and len(ok) == len(expected), out
     assert {order for *_, order in ok} <= {"split", "own"}
+    evals = re.findall(r"^EVAL OK rank (\d+) replicas (\(.*?\)) max abs err", out, flags=re.M)
+    assert sorted(evals) == sorted({(str(r), str(c["replicas"])) for r in range(ranks) for c in cfgs}), out
