@@ -14,6 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .core import Graph
+from .dtype_rules import DtypeError, check_dtypes
+from .dtype_rules import locate as locate_dtypes
 from .errors import TraceError
 from .functional import exporting, free_layouts, functionalized
 from .fx_import import FxImporter
@@ -114,7 +116,9 @@ def _graph(gm: torch.fx.GraphModule, names: Sequence[str], num_params: int, in_t
     imp = FxImporter(gm).run()
     g = Graph(tuple(imp.inputs), tuple(imp.eqns), imp.outputs, tuple(names), num_params, in_tree, out_tree)
     g = static_mask_indices(stop_gradients(g, imp.frozen))
-    return sink_input_ops(reject_rng(remove_mutation(free_layouts(g) if functional else g)))
+    g = sink_input_ops(reject_rng(remove_mutation(free_layouts(g) if functional else g)))
+    check_dtypes(g)  # what the meta kernels let through and the real ones refuse
+    return g
 
 
 def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | None = None) -> Graph:
@@ -168,6 +172,9 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
             return traced(stacks=False)
         except Exception:  # noqa: BLE001 - the same trace with source lines, for the error to name them
             return traced(stacks=True)
+    except DtypeError as err:  # run the function once more to find the line that mixed them
+        with _quiet(_TORCH_LOGGERS), mode:
+            raise err.located(locate_dtypes(lambda: flat_fn(*leaves))) from None
     except ImpureError as err:  # run the function once more to find the line that drew or wrote
         with _quiet(_TORCH_LOGGERS), mode:
             at, op = locate(err.kind, lambda: flat_fn(*leaves), leaves)
