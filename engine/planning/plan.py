@@ -156,10 +156,11 @@ def _cells(values: tuple[str, ...]) -> str:
     return " ".join(f"{v:<{w}}" if i == _NAMES else f"{v:>{w}}" for i, (v, (_, w)) in enumerate(zip(values, _COLUMNS)))
 
 
-def _row(s: StagePlan) -> tuple[str, ...]:
+def _row(s: StagePlan, plan: Plan) -> tuple[str, ...]:
+    """`rank`: the world ranks of dp replica 0 that run the stage (its position's replicas)."""
     width = _COLUMNS[_NAMES][1]
     names = abbreviate(s.names) or "-"
-    return (str(s.index), str(s.rank), f"{s.start}-{s.stop - 1}", names if len(names) <= width else names[:width - 1] + "~",
+    return (str(s.index), _span(plan.routing.ranks(s.rank)), f"{s.start}-{s.stop - 1}", names if len(names) <= width else names[:width - 1] + "~",
             f"{s.num_params / 1e6:.1f}", f"{s.flops / 1e9:.1f}", f"{s.forward_time * 1e3:.2f}",
             f"{(s.backward_input_time + s.backward_weight_time) * 1e3:.2f}", nbytes(s.activation_bytes),
             nbytes(s.peak_memory), nbytes(s.send_bytes))
@@ -168,7 +169,7 @@ def _row(s: StagePlan) -> tuple[str, ...]:
 def format_plan(plan: Plan) -> str:
     """A table of the stages (RaNNC-style log: per stage its equations, modules, size, time, memory and
     traffic per microbatch), then the layout and the predicted step."""
-    lines = [_cells(tuple(name for name, _ in _COLUMNS)), *(_cells(_row(s)) for s in plan.stages)]
+    lines = [_cells(tuple(name for name, _ in _COLUMNS)), *(_cells(_row(s, plan)) for s in plan.stages)]
     opts = "".join(f", {k}={v}" for k, v in plan.schedule_options if k not in ("costs", "search"))
     limit = nbytes(plan.memory_limit) if plan.memory_limit else "none"
     ranks = ", ".join(nbytes(m) for m in plan.rank_memory) or "-"
@@ -238,8 +239,9 @@ def _terms(plan: Plan) -> list[str]:
         return []
     ranks = len(plan.memory_terms[0][1])
     shown = list(range(ranks)) if ranks <= 8 else [*range(4), *range(ranks - 4, ranks)]
-    head = f"memory per rank{' (' + plan.recipe + ')' if plan.recipe else ''}:"
-    cols = " ".join(f"{'rank ' + str(r):>9}" for r in shown)
+    replica = ", dp replica 0 (each alike)" if plan.dp > 1 else ""
+    head = f"memory per rank{' (' + plan.recipe + ')' if plan.recipe else ''}{replica}:"
+    cols = " ".join(f"{'rank ' + _span(plan.routing.ranks(r)):>9}" for r in shown)
     rows = [f"  {name:<13}" + " ".join(f"{nbytes(v[r]):>9}" for r in shown) for name, v in plan.memory_terms]
     total = [sum(v[r] for _, v in plan.memory_terms) for r in shown]
     return [head, f"  {'':<13}{cols}", *rows, f"  {'total':<13}" + " ".join(f"{nbytes(t):>9}" for t in total)]

@@ -148,8 +148,8 @@ def test_explicit_replicas_balance_time_per_replica() -> None:
 
 GOLDEN = """\
 stage rank      eqns modules                    params M    GFLOP  fwd ms  bwd ms       act      peak      send
-    0    0       0-9 wte + blocks.0-1                1.5      3.0    2.00    4.00   4.8 MiB   1.9 GiB 976.6 KiB
-    1    1     10-24 blocks.2-3 + ln_f + wte         1.0      4.5    1.00    2.00   7.2 MiB 953.7 MiB       0 B
+    0  0-1       0-9 wte + blocks.0-1                1.5      3.0    2.00    4.00   4.8 MiB   1.9 GiB 976.6 KiB
+    1    2     10-24 blocks.2-3 + ln_f + wte         1.0      4.5    1.00    2.00   7.2 MiB 953.7 MiB       0 B
 1f1b: 2 stages on 3 ranks (replicas 2x1) x dp 2 = 6 ranks; 8 microbatches of 2
 replicas per stage: stage 0 x2 on ranks 0-1, stage 1 x1 on rank 2 in dp replica 0; microbatch i runs on replica \
 i mod count, in the own order
