@@ -307,13 +307,35 @@ class _Check:
                                rtol=self.rtol, atol=self.atol) + self.state_diffs(states)
         STATS[Checked(plan.schedule, plan.world_size, plan.dp, str(self.loss_ref.dtype).replace("torch.", ""))] += 1
         what = headline(loss_diff, grads)
-        message = self.report(what, plan, programs, loss_diff, grads) if what else None
+        message = self.report(what, plan, programs, loss_diff, grads) + self.precision_hint() if what else None
         if distributed:
             message = _gather_failure(message)
         if message:
             raise ParallelMismatch(message)
         worst = max([loss_diff, *grads], key=lambda d: d.rel)
         return Equivalence(plan, float(loss), float(self.loss_ref), worst.rel, worst.name, len(grads), distributed)
+
+    def precision_hint(self) -> str:
+        """When the function computes in a dtype coarser than its loss (a float64 model whose norms upcast to
+        float32, as Gemma's do), the rounding of those ops, not the pipeline, may be what differs: say so."""
+        ref = self.loss_ref.dtype
+        try:
+            g = graph_of(self.fn, self.params, self.batch)
+        except Exception:  # noqa: BLE001 -- only a hint
+            return ""
+        coarse = collections.Counter(e.op.removeprefix("aten.").split(".")[0] for e in g.eqns for v in e.out_vars
+                                     if v.aval.dtype.is_floating_point
+                                     and torch.finfo(v.aval.dtype).eps > torch.finfo(ref).eps)
+        if not coarse:
+            return ""
+        dtypes = sorted({str(v.aval.dtype).replace("torch.", "") for e in g.eqns for v in e.out_vars
+                         if v.aval.dtype.is_floating_point and torch.finfo(v.aval.dtype).eps > torch.finfo(ref).eps})
+        ops = ", ".join(f"{op} x{n}" for op, n in coarse.most_common(4))
+        worst = max(torch.finfo(getattr(torch, d)).eps for d in dtypes)
+        return (f"\n\nnote: the function computes {sum(coarse.values())} values in {'/'.join(dtypes)} ({ops}) although its "
+                f"loss is {str(ref).replace('torch.', '')}: their rounding ({worst:.0e} relative) is above rtol, and "
+                f"microbatches round differently from the full batch. If the model casts on purpose, pass "
+                f"rtol={max(1e-6, 10 * worst):.0e} (or run it in one dtype)")
 
     def state_diffs(self, states: Sequence[Any]) -> list[LeafDiff]:
         """Every rank's returned state (it gets all of it) against the reference state, leaf by leaf."""

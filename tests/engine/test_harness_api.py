@@ -249,3 +249,22 @@ def test_plan_spec_to_plan_directly_or_through_the_planner() -> None:
         assert (plan.schedule, plan.num_stages, plan.pipeline_depth, plan.dp, plan.microbatches) == ("zbv", 4, 2, 1, 2)
         assert [s.rank for s in plan.stages] == [0, 1, 1, 0] and plan.microbatch_size == 4
     assert planned.predicted_step_time > 0 and direct.stages[0].names == planned.stages[0].names
+
+
+def test_a_mismatch_from_a_coarser_dtype_inside_says_so() -> None:
+    """A float64 model whose norm computes in float32 (Gemma's RMSNorm): microbatches round differently from
+    the full batch at ~1e-8, above float64's 1e-10; the report names the float32 ops and the rtol to pass."""
+    def fn(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ p["w1"])
+        h32 = h.float()
+        # g's grad is a float32 sum over the rows: the microbatches round it differently from the full batch
+        h = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6) * p["g"].float()).double()
+        return torch.nn.functional.mse_loss(h @ p["w2"], y)
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(6, 16, generator=g, dtype=torch.float64), "g": torch.ones(16, dtype=torch.float64),
+              "w2": torch.randn(16, 2, generator=g, dtype=torch.float64)}
+    x, y = torch.randn(16, 6, generator=g, dtype=torch.float64), torch.randn(16, 2, generator=g, dtype=torch.float64)
+    with pytest.raises(ParallelMismatch, match=r"note: the function computes \d+ values in float32 .* pass rtol=1e-06"):
+        assert_parallel_equivalent(fn, params, x, y, microbatches=4, stages=2)
+    assert assert_parallel_equivalent(fn, params, x, y, microbatches=4, stages=2, rtol=1e-6).max_rel_error < 1e-6
