@@ -265,7 +265,9 @@ class Executor:
     def add_loss(self, ins: Instr) -> None:
         """The microbatch's loss and aux leaves, each added as its share of the mean over dp x microbatches:
         `total += leaf.to(total.dtype) / (m * dp)`, as two multi-tensor (`_foreach_`) ops per dtype of the
-        totals rather than two ops per leaf (a BatchNorm net has a few partial statistics per layer)."""
+        totals rather than two ops per leaf (a BatchNorm net has a few partial statistics per layer). With
+        `weights` (a loss averaged over counted targets) the loss adds `weight x loss` instead; aux leaves
+        keep the uniform share."""
         totals = (self.loss, *self.aux)
         values = [self.read(ref, ins.mb) for ref in ins.reads]
         if self.weights is not None:  # the loss's own share (aux leaves keep theirs): weight x (m x dp) / (m x dp)

@@ -31,29 +31,41 @@ def loss_weights(mean: TokenMean | None, chunks: Sequence[Sequence[torch.Tensor]
                  ) -> list[float] | torch.Tensor | None:
     """Each microbatch's weight (all of the batch's `chunks`, dp replicas in order), or None when the uniform
     1 / len(chunks) is exact (no counted-target mean, or every microbatch counts as many targets). A batch on
-    an accelerator gets the weights as a tensor there, computed without a sync (the previous step's work may
-    still run): a microbatch that counts no target then gives a NaN loss, as its own mean does."""
+    an accelerator under an exact mean gets the weights as a tensor there, made without a sync (the previous
+    step's work may still run): a microbatch that counts no target then gives a NaN loss, as its own mean
+    does, where a batch on the CPU raises InputError. The other cases read the counts on the host."""
     if mean is None or len(chunks) == 1:
         return None
+    if mean.weighted:
+        raise InputError(f"the loss averages {_op(mean)} with class weights: each microbatch divides by the sum of "
+                         "its own targets' weights, so the mean of the microbatches' losses is not the batch's. Use "
+                         "microbatches=1 and dp=1, or return the weighted sum divided by the batch's total weight")
     counts = mean.counts(chunks)
     if counts.device.type != "cpu" and mean.exact:
-        return counts.double() / counts.sum()
+        return counts[0].double() / counts[0].sum()
     return _checked(mean, counts.tolist())
 
 
-def _checked(mean: TokenMean, counts: list[int]) -> list[float] | None:
-    if len(set(counts)) == 1:
+def _op(mean: TokenMean) -> str:
+    return mean.op.removeprefix("aten.").split(".")[0]
+
+
+def _checked(mean: TokenMean, counts: list[list[int]]) -> list[float] | None:
+    uneven = [row for row in counts if len(set(row)) > 1]
+    if not uneven:
         return None
-    op = mean.op.removeprefix("aten.").split(".")[0]
-    why = (f"the loss averages {op} over the targets that are not ignore_index={mean.ignore_index}, and the "
-           f"microbatches count {_shown(counts)} of them")
-    if 0 in counts:
-        raise InputError(f"{why}: microbatch {counts.index(0)} counts none, so its mean is 0 / 0. Shuffle the "
+    row = uneven[0]
+    why = (f"the loss averages {_op(mean)} over the targets that are not ignore_index={mean.ignore_index}, and the "
+           f"microbatches count {_shown(row)} of them")
+    if not mean.exact:
+        several = " (one of its several counted means)" if len(counts) > 1 else ""
+        raise InputError(f"{why}{several}, and the loss combines that mean with other terms, so the mean of the "
+                         "microbatches' losses is not the batch's. Return the counted mean alone (times constants: "
+                         "fnpipe then weights each microbatch by its count), or a sum over targets divided by the "
+                         "batch's count")
+    if 0 in row:
+        raise InputError(f"{why}: microbatch {row.index(0)} counts none, so its mean is 0 / 0. Shuffle the "
                          "padded rows among the microbatches, use fewer microbatches, or return the sum over "
                          "targets divided by the batch's count (as transformers' num_items_in_batch does)")
-    if not mean.exact:
-        raise InputError(f"{why}, and the loss combines that mean with other terms, so the mean of the microbatches' "
-                         "losses is not the batch's. Return the counted mean alone (times constants: fnpipe then "
-                         "weights each microbatch by its count), or a sum over targets divided by the batch's count")
-    total = float(sum(counts))
-    return [c / total for c in counts]
+    total = float(sum(row))
+    return [c / total for c in row]

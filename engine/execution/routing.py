@@ -16,8 +16,8 @@ this runs: a rank runs its position's row of the lowered table, as before. Chann
 read off the same routing, so every rank derives them alike without another's program.
 
 Loss and grads stay those of one process: every microbatch runs once, on exactly one rank of each
-position; the loss seed and each added loss are 1/(microbatches x dp) of a microbatch's (the executor's
-rule, unchanged), and each stage's weight grads are summed over all the ranks that hold the stage, its
+position; the loss seed and each added loss are 1/(microbatches x dp) of a microbatch's (or its weight, for
+a loss averaged over counted targets: `loss_weights`, read by microbatch index, so routing leaves it alone), and each stage's weight grads are summed over all the ranks that hold the stage, its
 replicas in every dp replica (a tied leaf: over every rank of every stage that reads it).
 """
 from __future__ import annotations

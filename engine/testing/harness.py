@@ -35,10 +35,12 @@ from torch.utils import _pytree as pytree
 
 import ir
 import schedules
+from ir.token_mean import token_mean
 
 from ..errors import CommTimeoutError
 from ..execution.executor import Hook
 from ..execution.inprocess import run_steps, steps_of
+from ..execution.loss_weights import loss_weights
 from ..execution.step import Step
 from ..execution.transport import DeadlockError
 from ..planning.artifacts import lowered_table, planned_from
@@ -208,7 +210,9 @@ def assert_parallel_equivalent(fn: Callable | ModelCase, params: Any = None, *ba
         state_ref = None
         if ir.deferred_of(fn) is not None:  # BatchNorm in train mode: the microbatched reference, and its state
             layout = fixed or spec
-            loss_ref, grads_ref, state_ref = stateful.reference(fn, params, batch, layout.microbatches * layout.dp)
+            parts = layout.microbatches * layout.dp
+            weights = loss_weights(token_mean(graph_of(fn, params, batch, parts)), stateful.chunks(batch, parts))
+            loss_ref, grads_ref, state_ref = stateful.reference(fn, params, batch, parts, weights)
         else:
             grads_ref, loss_ref = reference_grad_and_value(fn, params, batch)
         check = _Check(fn, params, batch, spec, description, rtol, atol, loss_ref, grads_ref, state_ref)

@@ -1,7 +1,8 @@
 """The reference of a loss function with a deferred aux (ir.deferred: BatchNorm in train mode as state).
 
 Its loss and grads are the average, over the step's `parts` = microbatches x dp equal microbatches, of
-`torch.func.grad_and_value` of the microbatch half on each (batch statistics are per microbatch); its
+`torch.func.grad_and_value` of the microbatch half on each (batch statistics are per microbatch; a loss
+averaged over counted targets weights each microbatch by its count, as the step does); its
 state is the finish of the microbatch halves' averaged partial statistics. Integer leaves (a BatchNorm's
 num_batches_tracked) have no gradient: their expected grad is None and they are not compared.
 """
@@ -19,8 +20,11 @@ __all__ = ["Reference", "reference"]
 Reference = tuple[torch.Tensor, Any, Any]  # (loss, grads with None for integer leaves, state)
 
 
-def reference(fn: Callable, params: Any, batch: Sequence[Any], parts: int) -> Reference:
-    """`(loss, grads, state)` of a deferred `fn` run as `parts` microbatches (see the module docstring)."""
+def reference(fn: Callable, params: Any, batch: Sequence[Any], parts: int,
+              weights: Sequence[float] | None = None) -> Reference:
+    """`(loss, grads, state)` of a deferred `fn` run as `parts` microbatches (see the module docstring);
+    `weights`: each microbatch's share of the loss and grads where it is not 1 / parts (a cross-entropy with
+    ignore_index: `engine.execution.loss_weights`); the partial statistics stay averaged."""
     halves = ir.deferred_of(fn)
     if halves is None:
         raise TypeError(f"{getattr(fn, '__name__', fn)} is not a deferred function (ir.deferred)")
@@ -34,18 +38,24 @@ def reference(fn: Callable, params: Any, batch: Sequence[Any], parts: int) -> Re
         return halves.local(pytree.tree_unflatten(full, tree), *b)
 
     total: list[Any] | None = None
-    for chunk in _chunks(batch, parts):
+    shares = list(weights) if weights is not None else [1.0 / parts] * parts
+    for chunk, share in zip(_chunks(batch, parts), shares):
         grads, (loss, partial) = torch.func.grad_and_value(local, has_aux=True)([leaves[i] for i in floats], *chunk)
-        flat = [loss.detach(), *grads, *[x.detach() for x in pytree.tree_leaves(partial)]]
+        flat = [x * share for x in (loss.detach(), *grads)] + [x.detach() / parts for x in pytree.tree_leaves(partial)]
         total = flat if total is None else [a + b for a, b in zip(total, flat)]
         spec = pytree.tree_structure(partial)
     assert total is not None
-    mean = [x / parts for x in total]
+    mean = total
     loss, grads, partial = mean[0], mean[1:1 + len(floats)], mean[1 + len(floats):]
     out: list[Any] = [None] * len(leaves)
     for i, g in zip(floats, grads):
         out[i] = g
     return loss, pytree.tree_unflatten(out, tree), halves.finish(pytree.tree_unflatten(partial, spec), parts)
+
+
+def chunks(batch: Sequence[Any], parts: int) -> list[list[torch.Tensor]]:
+    """The batch's flat leaves cut into `parts` microbatches, as the step cuts them."""
+    return [pytree.tree_leaves(c) for c in _chunks(batch, parts)]
 
 
 def _chunks(batch: Sequence[Any], parts: int) -> list[tuple[Any, ...]]:

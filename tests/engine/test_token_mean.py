@@ -69,7 +69,7 @@ def test_weights_as_a_device_tensor_give_the_same_step(monkeypatch: pytest.Monke
     from engine.execution import step as step_module
 
     def as_tensor(mean, chunks):  # what loss_weights returns for a batch on an accelerator
-        counts = mean.counts(chunks)
+        counts = mean.counts(chunks)[0]
         return counts.double() / counts.sum()
 
     monkeypatch.setattr(step_module, "loss_weights", as_tensor)
@@ -114,6 +114,54 @@ def test_a_microbatch_without_targets_is_refused() -> None:
         step(step.shard(params), tokens, labels)
 
 
+def test_several_counted_means_or_class_weights_are_refused() -> None:
+    params, (tokens, labels) = _params(), _batch(UNEVEN)
+
+    def two(p: dict, t: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        logits = _logits(p, t).reshape(-1, V)
+        return F.cross_entropy(logits, y.reshape(-1)) + F.cross_entropy(logits, z.reshape(-1))
+
+    step = engine.parallelize(two, params, tokens, tokens, labels, microbatches=4)  # the first mean is even
+    with pytest.raises(engine.InputError, match="one of its several counted means"):
+        step(step.shard(params), tokens, tokens, labels)
+
+    def weighted(p: dict, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        w = torch.linspace(0.5, 1.5, V, dtype=torch.float64)
+        return F.cross_entropy(_logits(p, t).reshape(-1, V), y.reshape(-1), weight=w)
+
+    step = engine.parallelize(weighted, params, tokens, tokens, microbatches=4)  # no padding: still a ratio of sums
+    with pytest.raises(engine.InputError, match="with class weights"):
+        step(step.shard(params), tokens, tokens)
+
+
+def test_non_contiguous_labels_are_counted_as_the_step_reads_them() -> None:
+    """T5 and BART call `labels.view(-1)`; a column slice of a wider buffer is not contiguous."""
+    def loss(p: dict, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_logits(p, t).view(-1, V), y.view(-1))
+
+    params, (tokens, labels) = _params(), _batch(UNEVEN)
+    wide = torch.full((8, 12), -100)
+    wide[:, :6] = labels
+    plan = engine.plan(loss, params, tokens, labels, world_size=2, schedule="1f1b", stages=2, microbatches=4)
+    result = run_steps(build_steps(loss, params, (tokens, labels), plan), params, (tokens, wide[:, :6]))
+    grads, want = torch.func.grad_and_value(loss)(params, tokens, labels)  # eager's view needs them contiguous
+    assert torch.allclose(result.loss, want, rtol=1e-12, atol=0)
+    for got, ref in zip(pytree.tree_leaves(result.grads), pytree.tree_leaves(grads)):
+        assert torch.allclose(got, ref, rtol=1e-10, atol=1e-14)
+
+
+def test_batchnorm_with_padded_labels_matches_the_weighted_microbatched_reference() -> None:
+    """engine.testing's reference for a deferred (BatchNorm) function weights its microbatches as the step does."""
+    from tests.mpi.batchnorm import batch, bn_net
+
+    fn, variables = engine.functionalize(bn_net().train(), loss=F.cross_entropy)
+    x, y = batch(16)
+    y = y.clone()
+    y[[0, 1, 2, 5, 9]] = -100  # 4 microbatches of 4 rows count 1, 3, 3, 4 targets
+    eq = assert_parallel_equivalent(fn, variables, x, y, schedule="1f1b", stages=2, microbatches=4)
+    assert eq.max_rel_error < 1e-12
+
+
 def _found(fn, *batch) -> object:
     return token_mean(ir.trace(fn, _params(), *batch))
 
@@ -124,13 +172,21 @@ def test_what_counts_as_a_counted_mean() -> None:
     assert _found(lambda p, t, y: F.cross_entropy(logits(p, t), y.reshape(-1)) / 3, tokens, labels).exact
     assert _found(lambda p, t, y: -F.nll_loss(torch.log_softmax(logits(p, t), -1), y.reshape(-1)) * 2,
                   tokens, labels).exact
+    ce = lambda p, t, y: F.cross_entropy(logits(p, t), y.reshape(-1))  # noqa: E731
+    assert _found(lambda p, t, y: ce(p, t, y).mean(), tokens, labels).exact  # DataParallel's defensive .mean()
+    assert _found(lambda p, t, y: torch.tensor(0.5, dtype=torch.float64) * ce(p, t, y), tokens, labels).exact
+    assert _found(lambda p, t, y: ce(p, t, y).unsqueeze(0).squeeze(0), tokens, labels).exact
+    assert _found(lambda p, t, y: F.cross_entropy(logits(p, t), y.reshape(-1), label_smoothing=0.1), tokens,
+                  labels).exact
+    assert _found(lambda p, t, y: F.cross_entropy(logits(p, t), y.reshape(-1), reduction="none").mean(), tokens,
+                  labels) is None  # a mean over every row: uniform weights are exact
     mixed = _found(lambda p, t, y: F.cross_entropy(logits(p, t), y.reshape(-1)) + p["head"].sum(), tokens, labels)
     assert mixed is not None and not mixed.exact
     assert _found(lambda p, t, y: F.cross_entropy(logits(p, t), y.reshape(-1), reduction="sum"), tokens, labels) is None
     probs = torch.softmax(torch.randn(8 * 6, V, dtype=torch.float64), -1)
     assert _found(lambda p, t, q: F.cross_entropy(logits(p, t), q), tokens, probs) is None
     found = _found(lambda p, t, y: F.cross_entropy(logits(p, t), y.reshape(-1), ignore_index=3), tokens, labels)
-    assert found.ignore_index == 3 and found.counts([[tokens, labels]]).tolist() == [int((labels != 3).sum())]
+    assert found.ignore_index == 3 and found.counts([[tokens, labels]]).tolist() == [[int((labels != 3).sum())]]
 
 
 def test_a_hugging_face_causal_lm_with_its_own_loss_and_padding() -> None:

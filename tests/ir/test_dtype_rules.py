@@ -74,14 +74,29 @@ def test_the_error_names_the_operands_the_line_and_the_fix() -> None:
     assert "one dtype" in msg
 
 
-def test_mixed_precision_norms_stay_allowed() -> None:
-    """A bfloat16 input beside float32 norm weights is what PyTorch's kernels accept (and AMP makes)."""
-    def fn(p: dict, x: torch.Tensor) -> torch.Tensor:
-        return (F.layer_norm(x, (4,), p["g"], p["b"]).float().sum()
-                + F.batch_norm(x, p["g"], p["b"], training=True).float().sum())
+def test_mixed_precision_norms_follow_the_device() -> None:
+    """float32 norm params beside a bfloat16 input: batch norm takes them on the CPU and on CUDA, layer and
+    group norm on the CPU only (an H100 refused them: `expected scalar type BFloat16 but found Float`)."""
+    params = {"g": torch.ones(4), "b": torch.zeros(4), "m": torch.zeros(4), "v": torch.ones(4)}
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    layer = lambda p, x: F.layer_norm(x, (4,), p["g"], p["b"]).float().sum()  # noqa: E731
+    group = lambda p, x: F.group_norm(x.unsqueeze(-1), 2, p["g"], p["b"]).float().sum()  # noqa: E731
+    batch = lambda p, x: F.batch_norm(x, p["m"], p["v"], p["g"], p["b"]).float().sum()  # noqa: E731
+    for fn in (layer, group, batch):
+        ir.trace(fn, params, x)
+    ir.trace(batch, params, x, device="cuda")
+    for fn in (layer, group):
+        with pytest.raises(DtypeError, match="norm mixes dtypes"):
+            ir.trace(fn, params, x, device="cuda")
 
-    g = ir.trace(fn, {"g": torch.ones(4), "b": torch.zeros(4)}, torch.randn(2, 4, dtype=torch.bfloat16))
-    assert any("layer_norm" in e.op for e in g.eqns)
+
+def test_what_the_kernels_take_despite_a_dtype_of_their_own() -> None:
+    """A loss weight (binary cross-entropy), a class weight beside class probabilities, a 0-d value put
+    through a mask on the CPU: eager runs them, so the trace does too."""
+    x, w = torch.rand(2, 4, dtype=torch.float64), torch.rand(4)
+    ir.trace(lambda p, x: F.binary_cross_entropy(x, x.detach() * 0.5, weight=p), w, x)
+    ir.trace(lambda p, x: F.cross_entropy(x, torch.softmax(x, -1).detach(), weight=p), w, x)
+    ir.trace(lambda p, x: x.index_put((x > 0.5,), p[0].reshape(())).sum(), w, x)
 
 
 def test_parallelize_refuses_before_any_step() -> None:
