@@ -86,8 +86,13 @@ def main() -> None:
         sim = schedules.simulate(step.table)
         print("\n== the schedule (lowered, unit costs) ==")
         print(schedules.render_ascii(sim))
-    print(f"\n== rank {world.rank}'s program (first lines) ==\n" + "\n".join(str(step.program).splitlines()[:8]),
-          flush=True)
+    sys.stdout.flush()  # rank 0's sections before any rank's program, and the programs in rank order
+    for r in range(world.size):
+        if r == world.rank:
+            print(f"\n== rank {r}'s program (first lines) ==\n" + "\n".join(str(step.program).splitlines()[:8]),
+                  flush=True)
+        if world.size > 1:
+            torch.distributed.barrier()
     check_against_func_grad(step, fn, params, loader.batch_at(0))
     _, _, spans = step.traced(step.shard(params), *loader.batch_at(0))
     spans = step.all_spans(spans)

@@ -60,3 +60,21 @@ def test_hf_llama_learns_with_zb_h1_on_two_ranks(family: str, dropout: str) -> N
     done = re.search(r"done in [\d.]+ s: loss ([\d.]+) -> ([\d.]+)", out.stdout)
     assert done is not None, out.stdout[-2000:]
     assert float(done[2]) < 0.6 * float(done[1]), done[0]
+
+
+@pytest.mark.mpi
+def test_the_demo_runs_as_make_demo_runs_it() -> None:
+    """examples/demo.py under `mpirun -n 2` (what `make demo` runs): every section in order, the programs in
+    rank order, each rank's loss and grads equal to torch.func.grad, and the loss falls."""
+    cmd = [str(ROOT / ".venv/bin/mpirun"), "-n", "2", "--oversubscribe", sys.executable, str(ROOT / "examples/demo.py")]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    heads = re.findall(r"^== (.+?) ==", out.stdout, re.M)
+    order = ["the IR of mlp_loss", "per-equation costs", "plan for a", "the schedule", "rank 0's program",
+             "rank 1's program", "measured timeline of one step", "training"]
+    assert [o for h in heads for o in order if h.startswith(o)] == order, heads
+    errs = re.findall(r"^rank (\d): loss ([\d.]+) vs torch.func.grad ([\d.]+); max rel err .* ([\d.e+-]+)$",
+                      out.stdout, re.M)
+    assert sorted(r for r, *_ in errs) == ["0", "1"] and all(a == b and float(e) < 1e-10 for _, a, b, e in errs), errs
+    losses = [float(x) for x in re.findall(r"^step +\d+  loss (\d+\.\d+)", out.stdout, re.M)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
