@@ -238,11 +238,26 @@ def reference_grad_and_value(fn: Callable, params: Any, batch: Sequence[Any]) ->
             full[i] = x
         return fn(pytree.tree_unflatten(full, tree), *batch)
 
-    grads, loss = torch.func.grad_and_value(of_floats)([leaves[i] for i in diff])
+    try:
+        grads, loss = torch.func.grad_and_value(of_floats)([leaves[i] for i in diff])
+    except RuntimeError as exc:  # an autograd.Function torch.func cannot transform (BLOOM's GeLUFunction
+        if "setup_context" not in str(exc):  # has no setup_context): the same numbers through torch.autograd
+            raise
+        grads, loss = _autograd_grad_and_value(of_floats, [leaves[i] for i in diff])
     out: list[Any] = [None] * len(leaves)
     for i, g in zip(diff, grads):
         out[i] = g
     return pytree.tree_unflatten(out, tree), loss
+
+
+def _autograd_grad_and_value(f: Callable, floats: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`torch.func.grad_and_value(f)(floats)` by `torch.autograd.grad` on detached copies (zeros for leaves the
+    loss does not reach, as torch.func gives)."""
+    xs = [x.detach().requires_grad_(True) for x in floats]
+    with torch.enable_grad():
+        loss = f(xs)
+        got = torch.autograd.grad(loss, xs, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(xs, got)], loss.detach()
 
 
 def _as_spec(plan: PlanSpec | Plan | None, schedule: str, stages: int | None, microbatches: int | None,
@@ -322,7 +337,8 @@ class _Check:
     def precision_hint(self) -> str:
         """When the function computes in a dtype coarser than its loss (a float64 model whose norms upcast to
         float32, as Gemma's do), the rounding of those ops, not the pipeline, may be what differs: say so."""
-        ref = self.loss_ref.dtype
+        ref = min([self.loss_ref.dtype, *(g.dtype for g in pytree.tree_leaves(self.grads_ref) if g is not None)],
+                  key=lambda d: torch.finfo(d).eps)  # the finest dtype compared: a float32 loss, float64 grads
         try:
             g = graph_of(self.fn, self.params, self.batch)
         except Exception:  # noqa: BLE001 -- only a hint
@@ -336,9 +352,10 @@ class _Check:
                          if v.aval.dtype.is_floating_point and torch.finfo(v.aval.dtype).eps > torch.finfo(ref).eps})
         ops = ", ".join(f"{op} x{n}" for op, n in coarse.most_common(4))
         worst = max(torch.finfo(getattr(torch, d)).eps for d in dtypes)
-        return (f"\n\nnote: the function computes {sum(coarse.values())} values in {'/'.join(dtypes)} ({ops}) although its "
-                f"loss is {str(ref).replace('torch.', '')}: their rounding ({worst:.0e} relative) is above rtol, and "
-                f"microbatches round differently from the full batch. If the model casts on purpose, pass "
+        finest = str(ref).replace("torch.", "")
+        return (f"\n\nnote: the function computes {sum(coarse.values())} values in {'/'.join(dtypes)} ({ops}) although "
+                f"its loss or grads are {finest}: their rounding ({worst:.0e} relative) is above rtol, and microbatches "
+                f"round differently from the full batch. If the model casts on purpose, pass "
                 f"rtol={max(1e-6, 10 * worst):.0e} (or run it in one dtype)")
 
     def state_diffs(self, states: Sequence[Any]) -> list[LeafDiff]:

@@ -251,7 +251,8 @@ def test_plan_spec_to_plan_directly_or_through_the_planner() -> None:
     assert planned.predicted_step_time > 0 and direct.stages[0].names == planned.stages[0].names
 
 
-def test_a_mismatch_from_a_coarser_dtype_inside_says_so() -> None:
+@pytest.mark.parametrize("loss_dtype", [torch.float64, torch.float32])
+def test_a_mismatch_from_a_coarser_dtype_inside_says_so(loss_dtype: torch.dtype) -> None:
     """A float64 model whose norm computes in float32 (Gemma's RMSNorm): microbatches round differently from
     the full batch at ~1e-8, above float64's 1e-10; the report names the float32 ops and the rtol to pass."""
     def fn(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -259,7 +260,7 @@ def test_a_mismatch_from_a_coarser_dtype_inside_says_so() -> None:
         h32 = h.float()
         # g's grad is a float32 sum over the rows: the microbatches round it differently from the full batch
         h = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6) * p["g"].float()).double()
-        return torch.nn.functional.mse_loss(h @ p["w2"], y)
+        return torch.nn.functional.mse_loss(h @ p["w2"], y).to(loss_dtype)  # transformers returns a float32 loss
 
     g = torch.Generator().manual_seed(0)
     params = {"w1": torch.randn(6, 16, generator=g, dtype=torch.float64), "g": torch.ones(16, dtype=torch.float64),
@@ -268,3 +269,30 @@ def test_a_mismatch_from_a_coarser_dtype_inside_says_so() -> None:
     with pytest.raises(ParallelMismatch, match=r"note: the function computes \d+ values in float32 .* pass rtol=1e-06"):
         assert_parallel_equivalent(fn, params, x, y, microbatches=4, stages=2)
     assert assert_parallel_equivalent(fn, params, x, y, microbatches=4, stages=2, rtol=1e-6).max_rel_error < 1e-6
+
+
+def test_the_reference_takes_an_autograd_function_torch_func_cannot_transform() -> None:
+    """BLOOM's GeLUFunction has no setup_context, so torch.func refuses it; the reference then runs through
+    torch.autograd and the check still compares (the pipeline traces it as any op)."""
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x ** 3
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * g
+
+    def fn(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = Cube.apply(torch.tanh(x @ p["w1"]))
+        return torch.nn.functional.mse_loss(h @ p["w2"], y)
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(6, 8, generator=g, dtype=torch.float64),
+              "w2": torch.randn(8, 2, generator=g, dtype=torch.float64)}
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda p: fn(p, x, y))(params)
+    assert assert_parallel_equivalent(fn, params, x, y, microbatches=4, stages=2).max_rel_error < 1e-12
