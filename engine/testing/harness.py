@@ -250,6 +250,15 @@ def reference_grad_and_value(fn: Callable, params: Any, batch: Sequence[Any]) ->
     return pytree.tree_unflatten(out, tree), loss
 
 
+def _not_a_mean(loss: LeafDiff) -> str:
+    """A loss far off is most often a function that is not a mean over the batch's rows: say so."""
+    if loss.ok or loss.rel < 1e-3:
+        return ""
+    return ("\n\nnote: the pipeline's loss is the mean of its microbatches' losses, which is the batch's only when the "
+            "loss is a mean of per-row terms. A loss that compares rows with each other (a contrastive loss such as "
+            "CLIP's, batch statistics, a router's load-balancing loss) is not: run it with microbatches=1 and dp=1")
+
+
 def _autograd_grad_and_value(f: Callable, floats: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`torch.func.grad_and_value(f)(floats)` by `torch.autograd.grad` on detached copies (zeros for leaves the
     loss does not reach, as torch.func gives)."""
@@ -326,7 +335,8 @@ class _Check:
                                rtol=self.rtol, atol=self.atol) + self.state_diffs(states)
         STATS[Checked(plan.schedule, plan.world_size, plan.dp, str(self.loss_ref.dtype).replace("torch.", ""))] += 1
         what = headline(loss_diff, grads)
-        message = self.report(what, plan, programs, loss_diff, grads) + self.precision_hint() if what else None
+        message = (self.report(what, plan, programs, loss_diff, grads) + self.precision_hint() + _not_a_mean(loss_diff)
+                   if what else None)
         if distributed:
             message = _gather_failure(message)
         if message:

@@ -296,3 +296,21 @@ def test_the_reference_takes_an_autograd_function_torch_func_cannot_transform() 
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda p: fn(p, x, y))(params)
     assert assert_parallel_equivalent(fn, params, x, y, microbatches=4, stages=2).max_rel_error < 1e-12
+
+
+def test_a_loss_that_compares_rows_is_named_as_not_a_mean() -> None:
+    """A contrastive loss (every row against every other, as CLIP's) is not a mean over the batch: the pipeline
+    computes the mean of its microbatches' losses, and the report says why they differ."""
+    def clip_like(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a, b = torch.tanh(x @ p["wa"]), torch.tanh(y @ p["wb"])
+        logits = a @ b.t()
+        target = torch.arange(len(x))
+        return torch.nn.functional.cross_entropy(logits, target)
+
+    g = torch.Generator().manual_seed(0)
+    params = {"wa": torch.randn(6, 4, generator=g, dtype=torch.float64),
+              "wb": torch.randn(5, 4, generator=g, dtype=torch.float64)}
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 5, generator=g, dtype=torch.float64)
+    with pytest.raises(ParallelMismatch, match="compares rows with each other"):
+        assert_parallel_equivalent(clip_like, params, x, y, microbatches=4, stages=2)
+    assert_parallel_equivalent(clip_like, params, x, y, microbatches=1, stages=2)
