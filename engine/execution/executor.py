@@ -55,7 +55,7 @@ class Executor:
         """One step. `weights`: each microbatch's share of the loss (`loss_weights`: numbers, or a tensor on the
         device), else 1 / (m x dp) each."""
         self.params, self.mbs = params, microbatches
-        self.weights = weights
+        self.weights = weights.to(self.device) if isinstance(weights, torch.Tensor) else weights  # the batch's device
         self.bufs: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Any] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []
@@ -259,7 +259,7 @@ class Executor:
 
     def loss_grad(self, ins: Instr) -> None:
         share = 1.0 / (self.m * self.dp) if self.weights is None else self.weights[ins.mb]
-        self.bufs[ins.writes[0]] = (share.to(self.loss_dtype) if isinstance(share, torch.Tensor) else
+        self.bufs[ins.writes[0]] = (share.to(dtype=self.loss_dtype) if isinstance(share, torch.Tensor) else
                                     torch.full((), share, dtype=self.loss_dtype, device=self.device))
 
     def add_loss(self, ins: Instr) -> None:

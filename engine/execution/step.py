@@ -240,7 +240,8 @@ class Step:
         offset, mine = self.graph.num_params, set(self.microbatches)  # only what this rank runs goes to its device
         mbs = [{offset + j: x.to(self.world.device) for j, x in enumerate(c)} if i in mine else {}
                for i, c in enumerate(chunks)]
-        loss, grads = self.executor.run(local, mbs, None if weights is None else weights[self.replica * m:(self.replica + 1) * m])
+        mine_w = None if weights is None else weights[self.replica * m:(self.replica + 1) * m]  # this dp replica's
+        loss, grads = self.executor.run(local, mbs, mine_w)
         for pid in self.unused:
             if pid in local and pid not in grads:
                 grads[pid] = torch.zeros_like(local[pid])
