@@ -160,7 +160,8 @@ def _row(s: StagePlan, plan: Plan) -> tuple[str, ...]:
     """`rank`: the world ranks of dp replica 0 that run the stage (its position's replicas)."""
     width = _COLUMNS[_NAMES][1]
     names = abbreviate(s.names) or "-"
-    return (str(s.index), _span(plan.routing.ranks(s.rank)), f"{s.start}-{s.stop - 1}", names if len(names) <= width else names[:width - 1] + "~",
+    shown = names if len(names) <= width else names[:width - 1] + "~"
+    return (str(s.index), _span(plan.routing.ranks(s.rank)), f"{s.start}-{s.stop - 1}", shown,
             f"{s.num_params / 1e6:.1f}", f"{s.flops / 1e9:.1f}", f"{s.forward_time * 1e3:.2f}",
             f"{(s.backward_input_time + s.backward_weight_time) * 1e3:.2f}", nbytes(s.activation_bytes),
             nbytes(s.peak_memory), nbytes(s.send_bytes))

@@ -353,17 +353,16 @@ class _Check:
             g = graph_of(self.fn, self.params, self.batch)
         except Exception:  # noqa: BLE001 -- only a hint
             return ""
-        coarse = collections.Counter(e.op.removeprefix("aten.").split(".")[0] for e in g.eqns for v in e.out_vars
-                                     if v.aval.dtype.is_floating_point
-                                     and torch.finfo(v.aval.dtype).eps > torch.finfo(ref).eps)
-        if not coarse:
+        found = [(e.op.removeprefix("aten.").split(".")[0], v.aval.dtype) for e in g.eqns for v in e.out_vars
+                 if v.aval.dtype.is_floating_point and torch.finfo(v.aval.dtype).eps > torch.finfo(ref).eps]
+        if not found:
             return ""
-        dtypes = sorted({str(v.aval.dtype).replace("torch.", "") for e in g.eqns for v in e.out_vars
-                         if v.aval.dtype.is_floating_point and torch.finfo(v.aval.dtype).eps > torch.finfo(ref).eps})
+        coarse = collections.Counter(op for op, _ in found)
+        dtypes = sorted({str(d).replace("torch.", "") for _, d in found})
         ops = ", ".join(f"{op} x{n}" for op, n in coarse.most_common(4))
-        worst = max(torch.finfo(getattr(torch, d)).eps for d in dtypes)
+        worst = max(torch.finfo(d).eps for _, d in found)
         finest = str(ref).replace("torch.", "")
-        return (f"\n\nnote: the function computes {sum(coarse.values())} values in {'/'.join(dtypes)} ({ops}) although "
+        return (f"\n\nnote: the function computes {len(found)} values in {'/'.join(dtypes)} ({ops}) although "
                 f"its loss or grads are {finest}: their rounding ({worst:.0e} relative) is above rtol, and microbatches "
                 f"round differently from the full batch. If the model casts on purpose, pass "
                 f"rtol={max(1e-6, 10 * worst):.0e} (or run it in one dtype)")
