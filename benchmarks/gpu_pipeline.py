@@ -35,12 +35,14 @@ Batch 32 = 8 microbatches of 4. Prints progress, then per family the table and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -144,6 +146,31 @@ class Bench:
 # -- the runs ------------------------------------------------------------------------------------------------
 REBALANCE = {"": "auto", "fixed": False, "step": "step"}  # a compiler's suffix -> parallelize(rebalance=...)
 
+@contextlib.contextmanager
+def variant(modes: list[str]) -> Iterator[Any]:
+    """A row's variant, from its compiler's suffixes (`--compilers auto-room8-gated`): "fixed" / "step" the
+    rebalance mode (REBALANCE), "roomN" the extra stage-microbatches a searched zero-bubble order may hold
+    (engine.planning.refine.ROOMS = (N,); "room0": none), "gated" gated receives (FNPIPE_GATED_RECV=1; read
+    when the transports are made, inside parallelize). Yields parallelize's `rebalance`."""
+    from engine.planning import refine
+
+    rebalance = REBALANCE[next((m for m in modes if m in REBALANCE), "")]
+    rooms = [int(m[4:]) for m in modes if m.startswith("room")]
+    saved, gated = refine.ROOMS, os.environ.get("FNPIPE_GATED_RECV")
+    try:
+        if rooms:
+            refine.ROOMS = tuple(r for r in rooms if r > 0)
+        if "gated" in modes:
+            os.environ["FNPIPE_GATED_RECV"] = "1"
+        yield rebalance
+    finally:
+        refine.ROOMS = saved
+        if gated is None:
+            os.environ.pop("FNPIPE_GATED_RECV", None)
+        else:
+            os.environ["FNPIPE_GATED_RECV"] = gated
+
+
 def run_torch(b: Bench, schedule: str, *, compiled: bool) -> None:
     b.log(f"torch.distributed.pipelining {schedule}{' compiled blocks' if compiled else ''}: building")
     residue = b.residue()
@@ -225,10 +252,11 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
         layout = {"dp": b.args.dp} if b.args.dp > 1 else {}
         if schedule in ("interleaved-1f1b", "looped-bfs", "interleaved-zb"):
             layout["stages_per_rank"] = b.args.stages_per_rank
-        name, _, mode = compiler.partition("-")  # "auto-fixed": compiler auto, the planner's split kept (no rebalance)
-        step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
-                                  timeout=b.args.timeout, calibrate=calibration_path(b), compiler=name,
-                                  rebalance=REBALANCE[mode], **layout)
+        name, *modes = compiler.split("-")  # "auto-fixed": compiler auto, the planner's split kept (no rebalance)
+        with variant(modes) as rebalance:
+            step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
+                                      timeout=b.args.timeout, calibrate=calibration_path(b), compiler=name,
+                                      rebalance=rebalance, **layout)
     if step.profile is None:  # parallelize measures the programs on CUDA; the CPU smoke test does it here
         step.profile_programs(b.tokens, b.targets)
     build_s = time.perf_counter() - t
@@ -381,7 +409,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--schedules", default="1f1b,zb-h1,interleaved-1f1b,zbv", help="fnpipe schedules")
     ap.add_argument("--compilers", default="auto,fx", help="fnpipe compilers: auto (inductor on CUDA), fx, inductor; "
                     "with -fixed (auto-fixed): the planner's split kept, parallelize(rebalance=False); with -step "
-                    "(auto-step): re-split from the programs' times inside traced steps, rebalance=\"step\"")
+                    "(auto-step): re-split from the programs' times inside traced steps, rebalance=\"step\"; with -roomN "
+                    "(auto-room2): a searched zero-bubble order holds at most N stage-microbatches more (refine.ROOMS); "
+                    "with -gated: gated receives (FNPIPE_GATED_RECV=1); suffixes combine (auto-room8-gated)")
     ap.add_argument("--torch-eager", default="1f1b", help="PyTorch schedules with eager blocks")
     ap.add_argument("--torch-compiled", default="1f1b,gpipe,interleaved-1f1b",
                     help="PyTorch schedules with each block torch.compile'd (run in each family's part)")

@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_session.sh examples  # 2 GPUs: examples/train_gpt.py under torchrun and mpirun
 #   bash benchmarks/h200_session.sh four      # 4 GPUs: depth 4, both families, every schedule; the model on one GPU
 #   bash benchmarks/h200_session.sh fourdp    # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2
+#   bash benchmarks/h200_session.sh fourzbv   # 4 GPUs: zbv at p = 4, the planner's room against room 2 and gated
 #   bash benchmarks/h200_session.sh fourall   # 4 GPUs: depth 4 and DP2 x PP2, fnpipe's default only, in one command
 #   bash benchmarks/h200_session.sh fourwhy   # 4 GPUs: why programs run slower in a step than in turn: per
 #                                             # program kernels and span, allocator counters; GPT zbv at p = 4
@@ -26,7 +27,7 @@
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourwhy|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourwhy|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -70,6 +71,12 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       bench 570 4 29516 --budget 540 --families "$families" --calibrate "$cal" --one-gpu-layers 16 --compilers auto \
         --schedules zbv,1f1b,interleaved-1f1b,zb-h1 --torch-eager 1f1b --torch-compiled 1f1b,interleaved-1f1b \
         --torch-risky "" --timeout 240 --out-dir "$out"
+      ;;
+    fourzbv)  # 4 GPUs: zbv at p = 4 as the planner chooses its room (refine.ROOMS), against session 16's single
+              # room of 2 and with gated receives, each family's one-GPU fnpipe row last for the share of ideal
+      bench 575 4 29516 --budget 545 --families "$families" --calibrate "$cal" --one-gpu-layers 16 --one-gpu-rows fnpipe \
+        --compilers auto,auto-room2,auto-gated --schedules zbv --torch-eager "" --torch-compiled 1f1b --torch-risky "" \
+        --timeout 240 --out-dir "$out"
       ;;
     fourall)  # 4 GPUs, one command: depth 4 (zbv, 1f1b, interleaved-1f1b), then DP2 x PP2 (1f1b), each row's
               # predictions beside it: the planner's and the one from the stage programs measured on the device
@@ -143,7 +150,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
         --risky-timeout 60 --out-dir "$out/schedlib"
       OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
       ;;
-    *) echo "unknown part $part (two, one, profile, examples, four, fourwhy, fourcheck, fourdp, fourall, resnet, resnetwhy or schedlib)"; exit 2 ;;
+    *) echo "unknown part $part (two, one, profile, examples, four, fourzbv, fourwhy, fourcheck, fourdp, fourall, resnet, resnetwhy or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"
