@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import attrs
 import torch
@@ -16,6 +17,14 @@ def resolve(op: str) -> torch._ops.OpOverload:
     """`aten.add.Tensor` -> torch.ops.aten.add.Tensor."""
     ns, name, overload = op.split(".")
     return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+def bound(e: Eqn) -> dict[str, Any]:
+    """An equation's arguments by their schema names, defaults filled in."""
+    schema = resolve(e.op)._schema.arguments
+    named = dict(zip((a.name for a in schema), e.args))
+    named.update(e.kwargs)
+    return {a.name: named.get(a.name, a.default_value if a.has_default_value() else None) for a in schema}
 
 
 def _mutated_positions(op: torch._ops.OpOverload) -> list[int]:

@@ -26,7 +26,7 @@ import torch
 
 from .core import Eqn, Graph, Literal, Var
 from .evaluate import _read
-from .purify import resolve
+from .purify import bound, resolve
 
 __all__ = ["Target", "TokenMean", "token_mean"]
 
@@ -80,14 +80,6 @@ class TokenMean:
                     out.append((env[t.var] != t.ignore_index).sum())
                 rows.append(torch.stack(out))
         return torch.stack(rows)
-
-
-def _bound(e: Eqn) -> dict[str, Any]:
-    """The op's arguments by name, defaults filled in."""
-    schema = resolve(e.op)._schema.arguments
-    named = dict(zip((a.name for a in schema), e.args))
-    named.update(e.kwargs)
-    return {a.name: named.get(a.name, a.default_value if a.has_default_value() else None) for a in schema}
 
 
 def _value(x: Any) -> Any:
@@ -170,7 +162,7 @@ def token_mean(g: Graph) -> TokenMean | None:
     for e in g.eqns:
         if e.op not in _LOSSES or id(e) not in on_path:
             continue
-        arg = _bound(e)
+        arg = bound(e)
         if _value(arg["reduction"]) != _MEAN:
             continue
         t = _target(g, e, arg, made)
