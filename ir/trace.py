@@ -101,6 +101,20 @@ def _quiet(names: Sequence[str]) -> Iterator[None]:
             lg.setLevel(level)
 
 
+def _anchor(fn: Callable) -> None:
+    """Let make_fx's stack traces keep the frames of `fn` and of the functions beside it in its file: by default
+    they keep only modules' `forward` frames, so a plain loss function's ops had no line."""
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)  # private, in torch 2.13
+    fn = getattr(fn, "func", fn)  # functools.partial
+    code = getattr(fn, "__code__", None)
+    if register is None or code is None:
+        return
+    register(fn)
+    for other in list(getattr(fn, "__globals__", {}).values()):
+        if getattr(getattr(other, "__code__", None), "co_filename", None) == code.co_filename:
+            register(other)
+
+
 def _make_fx(flat_fn: Callable, leaves: list[FakeTensor], names: Sequence[str], functional: bool,
              stacks: bool = False) -> torch.fx.GraphModule:
     kwargs: dict[str, Any] = {"tracing_mode": "fake", "pre_dispatch": True}
@@ -121,7 +135,8 @@ def _graph(gm: torch.fx.GraphModule, names: Sequence[str], num_params: int, in_t
     return g
 
 
-def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | None = None) -> Graph:
+def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | None = None,
+          lines: bool = False) -> Graph:
     """Trace `fn(params, *batch)` into a pure ATen-level graph; no real weights are needed.
 
     Leaves may be real tensors, meta tensors, fake tensors or `TensorSpec`s; `device` (default: each
@@ -134,7 +149,8 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
     functionalization (ir.functional). Writes into params or batch are refused either way.
 
     Source lines (make_fx's stack traces: about 40 % of a trace's time) are recorded only when a trace
-    fails: it runs again with them, so the error names the user's line.
+    fails: it runs again with them, so the error names the user's line; `lines=True` records them anyway
+    (each Eqn's `source`), for a pass that names an op's line.
     """
     problem = not_a_function(fn, "ir.trace")
     if problem:
@@ -167,9 +183,11 @@ def trace(fn: Callable, params: Any, *batch: Any, device: str | torch.device | N
         except NeedsFunctionalization:  # a write through a view: PyTorch's functionalization replays it
             return attempt(True, stacks)
 
+    if lines:
+        _anchor(fn)
     try:
         try:
-            return traced(stacks=False)
+            return traced(stacks=lines)
         except Exception:  # noqa: BLE001 - the same trace with source lines, for the error to name them
             return traced(stacks=True)
     except DtypeError as err:  # run the function once more to find the line that mixed them
