@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import random
 from .autodiff import Part, StageAD, recomputable, stage_autodiff
+from .batch_rows import MixedRows, batch_rows, mixed_rows
 from .check import check
 from .compile import compile_graph, to_fx
 from .dropout import keyed_dropout, row_keys
@@ -18,7 +19,7 @@ from .slicing import Stage, slice_graph, split
 from .trace import TensorSpec, trace
 
 __all__ = [
-    "AbstractValue", "Deferred", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
-    "TraceError", "Var", "aux_names", "check", "check_loss", "compile_graph", "deferred", "deferred_of", "eqn_cost", "evaluate", "format_costs", "format_graph",
-    "graph_costs", "interpret", "keyed_dropout", "program_digest", "random", "row_keys", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
+    "AbstractValue", "Deferred", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "MixedRows", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
+    "TraceError", "Var", "aux_names", "batch_rows", "check", "check_loss", "compile_graph", "deferred", "deferred_of", "eqn_cost", "evaluate", "format_costs", "format_graph",
+    "graph_costs", "interpret", "keyed_dropout", "mixed_rows", "program_digest", "random", "row_keys", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
 ]
