@@ -29,6 +29,7 @@ from ir.autodiff import diff_positions, joint_key, recompute_level
 
 from ..errors import PlanError
 from .plan import Plan
+from .rows import check_plan
 
 
 @attrs.frozen(eq=False)
@@ -98,6 +99,7 @@ class Workshop:
         self.traced = parts.local if parts is not None else fn
         self.finish = parts.finish if parts is not None else None
         self._graphs: dict[int, ir.Graph] = {}
+        self._mixed: dict[int, ir.MixedRows | None] = {}
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike: dict[tuple[Any, ...], ir.StageAD] = {}
         self._joints: dict[Any, ir.Graph] = {}  # traced joints, shared by a stage's recompute levels
@@ -114,6 +116,24 @@ class Workshop:
             graph = ir.trace(self.traced, self.params, *specs, device=self.device)
             self._graphs[size] = ir.check_loss(graph, has_aux=self.has_aux, name=getattr(self.fn, "__name__", "loss_fn"))
         return self._graphs[size]
+
+    def mixed_rows(self, size: int) -> ir.MixedRows | None:
+        """The first op of the loss that mixes the batch's rows (`ir.mixed_rows`) in the graph of `size` rows, or
+        of 2 for a size of 1 (with one row the rows' dim looks like any dim of size 1), with its source line."""
+        size = max(size, 2)
+        if size not in self._mixed:
+            found = ir.mixed_rows(self.graph(size))
+            self._mixed[size] = found if found is None or found.source else self._located(size, found)
+        return self._mixed[size]
+
+    def _located(self, size: int, found: ir.MixedRows) -> ir.MixedRows:
+        """`found` with its source line, from the function traced again with lines (only for an error)."""
+        specs = pytree.tree_map(lambda x: microbatch_spec(x, size), self.batch)
+        try:
+            again = ir.mixed_rows(ir.trace(self.traced, self.params, *specs, device=self.device, lines=True))
+        except Exception:  # noqa: BLE001 -- the line is a hint; the refusal stands without it
+            return found
+        return again if again is not None and again.index == found.index else found
 
     def autodiff(self, size: int, stage: ir.Stage, recompute: bool | str = False) -> ir.StageAD:
         """Stage autodiff of `stage` (a slice of `graph(size)`) at a recompute level (False, "cheap",
@@ -277,6 +297,7 @@ def planned_from(plan: Plan, workshop: Workshop, *, table: schedules.Table | Non
     """Attach the artefacts to a Plan made elsewhere (a plan cache hit, a hand-made or harness plan):
     its graph and stage programs from `workshop` (built there only if not built before)."""
     size = plan.microbatch_size or _size_of(workshop.batch, plan.microbatches * plan.dp)
+    check_plan(workshop, plan, size)  # a loss that compares rows, cut by a cached or hand-made plan
     graph = workshop.graph(size)
     if plan.num_eqns and plan.num_eqns != len(graph.eqns):
         raise PlanError(f"the plan was made for a graph of {plan.num_eqns} equations, this model traces to "

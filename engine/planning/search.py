@@ -46,6 +46,7 @@ from .op_costs import CostModel, graph_hash
 from .plan import Plan, StagePlan
 from .recipe import Recipe, recipe_of
 from .refine import describe, fixed_cuts, refine_auto
+from .rows import splits, unsplit
 from .stage_costs import recompute_mode
 
 log = logging.getLogger("engine.plan")
@@ -158,6 +159,7 @@ class Session:
     world_size: int
     shape: dict[str, Any]  # the user's stages, dp and microbatches ("auto" or counts)
     cuts: tuple[int, ...] | None
+    whole: bool = False  # the loss compares rows (engine/planning/rows.py): only layouts that keep the batch whole
     _ranked: tuple[list[Candidate], list[str]] | None = None
     _exact: Candidate | SplitError | None = None
 
@@ -192,6 +194,8 @@ class Session:
                                  microbatches=microbatches)
         candidates = above_floor(candidates, batch_size, *floor_of(fn, min_microbatch_size),
                                  auto=not isinstance(microbatches, int))
+        cut = any(splits(lay) for lay in candidates)
+        candidates = unsplit(workshop, candidates, batch_size, microbatches=microbatches, dp=dp)  # rows compared
         memory = with_recipe(memory_model, recipe_of(recipe), params)
         planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory,
                              limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
@@ -200,7 +204,7 @@ class Session:
         planner.traced = cuts is not None
         return cls(planner, candidates, counts, v, world_size, {"stages": stages, "dp": dp,
                                                                 "microbatches": microbatches},
-                   None if cuts is None else tuple(cuts))
+                   None if cuts is None else tuple(cuts), whole=cut and not any(splits(lay) for lay in candidates))
 
     def ranked(self) -> tuple[list[Candidate], list[str]]:
         """Every layout split and simulated on estimates, fastest first, and why the others failed (once)."""
@@ -240,8 +244,8 @@ class Session:
         except SplitError:
             best = None
         if replicas_mod.considered(self.counts, self.shape["stages"], self.shape["dp"]):
-            unequal, _ = _rank_layouts(self.planner, replicas_mod.auto_layouts(
-                self.planner, self.world_size, v=self.v, **self.shape))
+            proposed = replicas_mod.auto_layouts(self.planner, self.world_size, v=self.v, **self.shape)
+            unequal, _ = _rank_layouts(self.planner, [lay for lay in proposed if not (self.whole and splits(lay))])
             if replicas_mod.promising(unequal, ranked, best is None):  # made exact only when the estimates say so
                 picked = replicas_mod.choose(best, _first_fitting(self.planner, unequal, reasons))
                 if picked is not None:

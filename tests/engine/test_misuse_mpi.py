@@ -86,6 +86,14 @@ SAME: dict[str, tuple[str, str]] = {
                              "microbatches like the loss, so they must be floating-point: `.float()` a count (its "
                              "average is then the mean over the batch)"),
     "has_aux_ok": ("ok", r"re:loss \d+\.\d{6}, mae \d+\.\d{6}, positive \d\.\d{4}, equal to torch.func.grad_and_value"),
+    # a loss that compares rows (engine/planning/rows.py): refused alike on every rank, exact as one microbatch
+    "loss_compares_rows": ("InputError", r"re:the loss compares rows of the batch with each other, so cutting its 64 "
+                           r"rows into 1 dp replica x 4 microbatches would give wrong numbers: .* \| `matmul` "
+                           r"\(equation \d+: f32\[16,32\], f32\[32,16\] -> f32\[16,16\]\) pairs the batch's rows: "
+                           r"its output has them in dims 0 and 1, every row against every other \|   at misuse\.py:"
+                           r"\d+ in contrastive: return F\.cross_entropy\(a @ b\.t\(\), torch\.arange\(len\(x\)\)\) "
+                           r"\| Fix: run it on the whole batch, parallelize\(\.\.\., microbatches=1, dp=1\) .*"),
+    "loss_compares_rows_whole": ("ok", r"re:loss \d+\.\d{6}, equal to the function on the whole batch"),
     # one rank's inputs alone (no communication: `silent` in the script fails the case otherwise)
     "missing_batch_argument": ("InputError", "the step was given 1 batch argument, it was planned for 2 (planned batch "
                                "leaves: x, y); pass the batch as the example batch was passed to engine.parallelize"),

@@ -182,6 +182,26 @@ def has_aux_ok(c: Ctx) -> str:
            f"{'equal' if err < 1e-5 else 'DIFFERENT'} to torch.func.grad_and_value"
 
 
+def contrastive(params: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Every row's embedding scored against every other row's (CLIP's loss): not a mean over the batch."""
+    a, b = torch.tanh(x @ params["w1"]), torch.tanh(x @ params["w2"][:8])
+    return F.cross_entropy(a @ b.t(), torch.arange(len(x)))
+
+
+@case
+def loss_compares_rows(c: Ctx) -> str:
+    engine.parallelize(contrastive, c.params, c.x, c.y, microbatches=4, timeout=TIMEOUT)
+    return "accepted"
+
+
+@case
+def loss_compares_rows_whole(c: Ctx) -> str:
+    step = engine.parallelize(contrastive, c.params, c.x, c.y, microbatches=1, timeout=TIMEOUT)
+    loss, _ = step(step.shard(c.params), c.x, c.y)
+    err = abs(float(loss - contrastive(c.params, c.x, c.y)))
+    return f"{loss_text(loss)}, {'equal' if err < 1e-5 else 'DIFFERENT'} to the function on the whole batch"
+
+
 # -- one rank's inputs, checked alone (no communication) -----------------------------------------------
 
 def _local(c: Ctx, *batch: Any, params: Any = None) -> str:
