@@ -64,9 +64,12 @@ def pointwise(c: Ctx) -> list[Rows]:
                     f"`{sums[0].origin}`): {c.op} of a row and the batch's aggregate")
     linear = c.op in _LINEAR and _LINEAR[c.op](c)
     if len(sums) > 1 and not linear:
+        ratio = (": a ratio of sums, such as a mean over counted targets (cross_entropy with ignore_index and "
+                 "reduction='mean' is one fnpipe weights exactly)") if c.op in ("div", "true_divide") else \
+            " (a load-balancing loss)"
         raise Mixes(f"combines {len(sums)} sums or means over the batch's rows (made by "
-                    f"{' and '.join(f'`{s.origin}`' for s in sums)}) non-linearly: the mean of each microbatch's "
-                    "result is not the result of the batch's means (a load-balancing loss, a ratio of means)")
+                    f"{' and '.join(f'`{s.origin}`' for s in sums)}) non-linearly, so the mean of each microbatch's "
+                    f"result is not the result of the batch's means{ratio}")
     if not linear:
         raise Mixes(f"applies the non-linear `{c.op}` to a sum or mean over the batch's rows (made by "
                     f"`{sums[0].origin}`): the mean of each microbatch's result is not the batch's")

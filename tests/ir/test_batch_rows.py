@@ -8,8 +8,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from ir_cases import examples
 
 import ir
+from engine.testing import models
 from ir.batch_state import Ctx, rows
 
 B, D = 8, 6
@@ -68,7 +71,8 @@ MIXING: dict[str, tuple[Callable, str, str]] = {
     "product of batch means (router balance)": (lambda p, x, y: _emb(p, x).mean(0).mul(_emb(p, y).mean(0)).sum(),
                                                 "mul", "2 sums or means"),
     "ratio of sums (a masked mean)": (lambda p, x, y: (_emb(p, x) ** 2 * (y > 0)).sum() / (y > 0).sum(), "div",
-                                      "2 sums or means"),
+                                      "a ratio of sums, such as a mean over counted targets (cross_entropy with "
+                                      "ignore_index"),
     "square root of a mean (RMSE)": (lambda p, x, y: F.mse_loss(_emb(p, x), y).sqrt(), "sqrt", "non-linear `sqrt`"),
     "a batch gram matrix, squared": (lambda p, x, y: (_emb(p, x).t() @ y).pow(2).sum(), "pow", "non-linear `pow`"),
     "layer norm over [B, D]": (lambda p, x, y: _mse(F.layer_norm(_emb(p, x), (B, D))), "layer_norm",
@@ -211,3 +215,13 @@ def test_ctx_reads_arguments_by_schema_name() -> None:
     states, _ = ir.batch_rows(g)
     c = Ctx(e, B, states)
     assert c.arg("dim") == -1 and c.state(e.args[0]) == rows(0) and c.state(3.0).clean
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(models(max_layers=8))
+def test_every_drawn_model_is_a_mean_the_walk_follows_to_the_loss(case) -> None:
+    """engine.testing's random models (attention, layer norms, skips, tied weights, a second stream, batch
+    inputs used mid-model) are means over the batch: none is refused, and each loss is a tracked sum."""
+    g = ir.trace(case.fn, case.params, *case.batch)
+    states, found = ir.batch_rows(g)
+    assert found == [] and states[g.outputs[0]].summed, (case, found, str(states[g.outputs[0]]))

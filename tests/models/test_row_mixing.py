@@ -73,8 +73,9 @@ def test_mixtral_router_balance_is_refused_at_the_product_of_its_means() -> None
     with pytest.raises(engine.InputError) as caught:
         engine.parallelize(made.fn, made.params, *made.batch, microbatches=2)
     lines = str(caught.value).splitlines()
-    assert lines[1].startswith("`mul` (equation") and "combines 2 sums or means over the batch's rows (made by " \
-        "`histc` and `sum`) non-linearly" in lines[1], lines[1]
+    assert lines[1].startswith("`mul` (equation") and lines[1].endswith(
+        "combines 2 sums or means over the batch's rows (made by `histc` and `sum`) non-linearly, so the mean of each "
+        "microbatch's result is not the result of the batch's means (a load-balancing loss)"), lines[1]
     assert "modeling_mixtral.py" in lines[2], lines[2]
 
 
