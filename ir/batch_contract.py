@@ -68,7 +68,7 @@ def _contracted(c: Ctx, sa: Rows, sb: Rows, summed_a: bool, summed_b: bool, line
 
 def matmul(c: Ctx) -> list[Rows]:
     """matmul, mm, bmm, mv, dot, vdot."""
-    a, b = c.tensors()[:2] if len(c.tensors()) >= 2 else (c.tensors()[0],) * 2
+    a, b = c.eqn.args[:2]
     return c.outputs(_matmul(c, shape_of(a), c.state(a), shape_of(b), c.state(b)))
 
 
@@ -104,8 +104,8 @@ def linear(c: Ctx) -> list[Rows]:
 
 def addmm(c: Ctx) -> list[Rows]:
     """addmm / addmv / baddbmm: self + a @ b."""
-    _, a, b = c.tensors()[0], c.tensors()[1], c.tensors()[2]
-    return _plus(c, _matmul(c, shape_of(a), c.state(a), shape_of(b), c.state(b)), c.tensors()[0])
+    bias, a, b = c.eqn.args[:3]
+    return _plus(c, _matmul(c, shape_of(a), c.state(a), shape_of(b), c.state(b)), bias)
 
 
 def cdist(c: Ctx) -> list[Rows]:
@@ -201,7 +201,7 @@ def convolution(c: Ctx) -> list[Rows]:
 
 def pooling(c: Ctx) -> list[Rows]:
     """Pooling and upsampling over the trailing spatial dims named by the op (`max_pool2d`: two)."""
-    x = c.tensors()[0]
+    x = c.first
     s, ndim = c.state(x), len(shape_of(x))
     spatial = int(re.search(r"(\d)d", c.op).group(1))  # type: ignore[union-attr]
     if s.rows and s.dim < ndim - spatial:

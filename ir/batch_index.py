@@ -27,8 +27,8 @@ def picks(rule: Rule) -> Rule:
         if any(s.unknown for s in states):
             return c.outputs(UNKNOWN)
         if any(s.summed for s in states):
-            first = c.state(c.tensors()[0])
-            ok = first.summed and all(s.clean for s in states[1:])
+            first = c.state(c.first)
+            ok = first.summed and all(c.state(x).clean for x in c.tensors() if x is not c.first)
             return c.outputs(summed(first.origin) if ok else UNKNOWN)
         return rule(c)
     return wrapped
@@ -174,7 +174,7 @@ def _joined(c: Ctx, found: list[tuple[int, int]], ndim: int) -> Rows:
 
 def pad(c: Ctx) -> list[Rows]:
     """pad / constant_pad_nd / reflection / replicate: pads (left, right) pairs from the last dim back."""
-    x = c.tensors()[0]
+    x = c.first
     s, ndim = c.state(x), len(shape_of(x))
     widths = list(c.arg("pad" if c.has("pad") else "padding"))
     padded = {ndim - 1 - j // 2 for j, w in enumerate(widths) if w}
@@ -208,7 +208,7 @@ def repeat_interleave(c: Ctx) -> list[Rows]:
 def along_dims(name: str, last_two: bool = False) -> Rule:
     """flip / roll / tril / triu: positions move inside the named dims (the last two for tril / triu)."""
     def rule(c: Ctx) -> list[Rows]:
-        x = c.tensors()[0]
+        x = c.first
         s, ndim = c.state(x), len(shape_of(x))
         dims = [ndim - 2, ndim - 1] if last_two else c.arg(name)
         dims = [dims] if isinstance(dims, int) else list(dims)

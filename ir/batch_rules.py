@@ -78,7 +78,7 @@ def pointwise(c: Ctx) -> list[Rows]:
 
 def same(c: Ctx) -> list[Rows]:
     """Copies, casts and aliases: the first operand's state."""
-    return c.outputs(c.state(c.tensors()[0]))
+    return c.outputs(c.state(c.first))
 
 
 def fresh(c: Ctx) -> list[Rows]:
@@ -103,14 +103,14 @@ def fill(c: Ctx) -> list[Rows]:
 
 def view(c: Ctx) -> list[Rows]:
     """Row-major reshapes (view, reshape, flatten, unflatten, squeeze, unsqueeze)."""
-    x = c.tensors()[0]
+    x = c.first
     return c.outputs(reshaped(c.state(x), shape_of(x), c.out_shape(), c.m))
 
 
 def permuted(c: Ctx) -> list[Rows]:
     """permute, transpose, t, movedim...: where dim d went, found by running the op on a meta tensor whose
     dim k has size k + 1."""
-    x = c.tensors()[0]
+    x = c.first
     s = c.state(x)
     if not s.rows:
         return c.outputs(s if not s.clean else CLEAN)  # an iota's dim is not followed through a permutation
@@ -122,7 +122,7 @@ def permuted(c: Ctx) -> list[Rows]:
 
 def expand(c: Ctx) -> list[Rows]:
     """Broadcast to a larger shape: rows (or an iota's dim) move by the dims added in front."""
-    x = c.tensors()[0]
+    x = c.first
     s = c.state(x)
     shift = len(c.out_shape()) - len(shape_of(x))
     if s.iota:
@@ -159,7 +159,7 @@ def reduction(linear: bool) -> Rule:
     """sum / mean (linear: a reduction over the rows is a sum over them) and amax, var, logsumexp, norm...
     (not: over the rows they mix them)."""
     def rule(c: Ctx) -> list[Rows]:
-        x = c.tensors()[0]
+        x = c.first
         s, ndim = c.state(x), len(shape_of(x))
         dims = _reduced(c, ndim)
         if s.summed and not linear:
@@ -179,9 +179,9 @@ def reduction(linear: bool) -> Rule:
 def along(linear: bool = False) -> Rule:
     """softmax, cumsum, sort, topk, diff...: each output depends on the whole of its `dim`."""
     def rule(c: Ctx) -> list[Rows]:
-        x = c.tensors()[0]
+        x = c.first
         s = c.state(x)
-        if any(not c.state(v).clean for v in c.tensors()[1:]):  # diff's prepend / append
+        if any(not c.state(v).clean for v in c.tensors() if v is not x):  # diff's prepend / append
             return c.outputs(UNKNOWN)
         if s.summed and not linear:
             raise Mixes(f"takes the non-linear `{c.op}` of a sum or mean over the batch's rows (made by `{s.origin}`)")
@@ -195,7 +195,7 @@ def along(linear: bool = False) -> Rule:
 
 def counted(c: Ctx) -> list[Rows]:
     """histc / bincount: a count over every element, so over the rows a sum of per-row counts."""
-    s = c.state(c.tensors()[0])
+    s = c.state(c.first)
     if s.summed:
         raise Mixes(f"counts values of a sum or mean over the batch's rows (made by `{s.origin}`)")
     return c.outputs(summed(c.op) if s.rows else s)

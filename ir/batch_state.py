@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from .core import Eqn, Literal, Var
 from .purify import bound
@@ -112,6 +113,11 @@ class Ctx:
         """A Var's state; anything else (a number, a constant tensor, None) is clean."""
         return self.states.get(x, UNKNOWN) if isinstance(x, Var) else CLEAN
 
+    @property
+    def first(self) -> Any:
+        """The first argument (`self` of most ops): a Var, or a constant."""
+        return self.eqn.args[0]
+
     def tensors(self) -> list[Var]:
         """The equation's Var operands, in order."""
         return list(self.eqn.inputs)
@@ -133,7 +139,11 @@ class Ctx:
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
-    return x.aval.shape if isinstance(x, Var) else ()
+    """A Var's or a constant tensor's shape; () for a number."""
+    if isinstance(x, Var):
+        return x.aval.shape
+    value = x.value if isinstance(x, Literal) else x
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
 
 
 def norm_dim(d: int, ndim: int) -> int:
