@@ -16,7 +16,10 @@ unknown) and finds the first op on the path of an output that mixes them:
 Allowed as the engine allows them: sums and means over rows (the loss's reduction, a cross-entropy's mean,
 its `ignore_index` count weighted by `ir.token_mean`), and anything linear after them (scaled, added to a
 regulariser of the params or to another such mean). BatchNorm's train-mode statistics are the engine's own
-(each microbatch normalised with its own, engine/training/batchnorm.py): its output keeps its rows.
+in the modules `engine.functionalize` made (each microbatch normalised with its own,
+engine/training/batchnorm.py: `own_norms`), whose output keeps its rows; written by hand
+(`F.batch_norm(..., training=True)`) they mix rows. Only the loss's path is refused (`mixed_rows`): an aux
+leaf is averaged over the parts, and the engine warns when one mixes rows.
 
 Soundness, and where the walk is conservative. Each rule is exact for the ops it knows, given m >= 2 rows
 (a graph traced with one row cannot tell the rows' dim from any other dim of size 1: trace with two).
@@ -31,6 +34,7 @@ combined linearly with a row is refused although a later sum over rows would mak
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -75,7 +79,7 @@ def _iota(e: Eqn) -> bool:
     return start == 0 and step == 1
 
 
-def _step(e: Eqn, m: int, states: dict[Var, Rows]) -> list[Rows]:
+def _step(e: Eqn, m: int, states: dict[Var, Rows], own_norms: bool = False) -> list[Rows]:
     """The states of `e`'s outputs; `Mixes` when it mixes rows."""
     rule = rule_of(e.op)
     ins = [states.get(v, UNKNOWN) for v in e.inputs]
@@ -84,7 +88,7 @@ def _step(e: Eqn, m: int, states: dict[Var, Rows]) -> list[Rows]:
     if rule is None:
         return [UNKNOWN] * len(e.outputs)
     try:
-        return rule(Ctx(e, m, states))
+        return rule(Ctx(e, m, states, own_norms))
     except Mixes:
         raise
     except Exception as exc:  # noqa: BLE001 -- a rule that cannot read these arguments: unknown, never a refusal
@@ -97,16 +101,17 @@ def _operands(e: Eqn) -> str:
     return f"{ins} -> {', '.join(str(v.aval) for v in e.out_vars)}"
 
 
-def batch_rows(g: Graph, m: int | None = None) -> tuple[dict[Var, Rows], list[MixedRows]]:
+def batch_rows(g: Graph, m: int | None = None, *, own_norms: bool = False) -> tuple[dict[Var, Rows], list[MixedRows]]:
     """Every value's state and every op that mixes rows (in graph order; a mixing op's outputs are then
-    unknown). `m`: the rows of a microbatch, by default the batch inputs' dim 0."""
+    unknown). `m`: the rows of a microbatch, by default the batch inputs' dim 0. `own_norms`: train-mode
+    BatchNorm is the engine's (a function `engine.functionalize` made), not a mix."""
     m = m if m is not None else row_count(g)
     states: dict[Var, Rows] = {v: CLEAN for v in g.params}
     states.update((v, rows(0) if v.aval.shape and m else UNKNOWN) for v in g.batch)
     found: list[MixedRows] = []
     for i, e in enumerate(g.eqns):
         try:
-            out = _step(e, m or 1, states)
+            out = _step(e, m or 1, states, own_norms)
         except Mixes as mix:
             found.append(MixedRows(i, e.op, str(mix), _operands(e), e.source))
             out = [UNKNOWN] * len(e.outputs)
@@ -114,11 +119,11 @@ def batch_rows(g: Graph, m: int | None = None) -> tuple[dict[Var, Rows], list[Mi
     return states, found
 
 
-def _on_output_paths(g: Graph) -> set[int]:
-    """Indices of the equations some graph output depends on."""
+def _on_paths(g: Graph, outputs: Sequence[int]) -> set[int]:
+    """Indices of the equations the graph outputs numbered `outputs` depend on."""
     made = {v: i for i, e in enumerate(g.eqns) for v in e.out_vars}
     seen: set[int] = set()
-    stack: list[Any] = [v for v in g.outputs if isinstance(v, Var)]
+    stack: list[Any] = [g.outputs[k] for k in outputs if isinstance(g.outputs[k], Var)]
     while stack:
         i = made.get(stack.pop())
         if i is not None and i not in seen:
@@ -127,9 +132,12 @@ def _on_output_paths(g: Graph) -> set[int]:
     return seen
 
 
-def mixed_rows(g: Graph, m: int | None = None) -> MixedRows | None:
-    """The first op on the path of an output (the loss or an aux leaf) whose output mixes the batch's rows,
-    or None: splitting the batch then changes nothing but the mean's grouping (see the module docstring)."""
-    _, found = batch_rows(g, m)
-    live = _on_output_paths(g)
+def mixed_rows(g: Graph, m: int | None = None, *, outputs: Sequence[int] = (0,),
+               own_norms: bool = False) -> MixedRows | None:
+    """The first op on the path of the outputs numbered `outputs` (by default the loss: what the step's
+    gradients come from) whose output mixes the batch's rows, or None: splitting the batch then changes
+    nothing but the mean's grouping (see the module docstring). An aux leaf's (`outputs=range(1, n)`) is
+    only averaged over the parts, as the README says of aux: the engine warns of it, it does not refuse."""
+    _, found = batch_rows(g, m, own_norms=own_norms)
+    live = _on_paths(g, outputs)
     return next((f for f in found if f.index in live), None)

@@ -217,11 +217,16 @@ def trailing_norm(c: Ctx) -> list[Rows]:
 
 
 def batch_norm(c: Ctx) -> list[Rows]:
-    """BatchNorm: statistics over the batch in train mode are the engine's own business (each microbatch
-    normalised with its own, engine/training/batchnorm.py), so the output keeps its rows and the statistics
-    count as constants; in eval mode it is a per-channel affine map."""
+    """BatchNorm: in eval mode a per-channel affine map. In train mode each row is normalised with statistics
+    over the batch's rows: the engine's own business for the modules `engine.functionalize` made (each
+    microbatch normalised with its own, engine/training/batchnorm.py: `own_norms`), so the output keeps its
+    rows and the statistics count as constants; in any other function (`F.batch_norm(..., training=True)`
+    written by hand) a mix, as `x - x.mean(0)` is."""
     s = c.state(c.arg("input"))
     training = bool(c.arg("training")) if c.has("training") else False
+    if training and s.rows and s.dim == 0 and not c.own_norms:
+        raise Mixes("normalises each row with statistics over all the batch's rows (train-mode batch norm "
+                    "outside engine.functionalize, whose modules' BatchNorm the engine runs per microbatch)")
     if s.summed or (s.rows and s.dim not in ((0,) if training else (0, 1))):
         return c.outputs(UNKNOWN)
     return [s] + [CLEAN] * (len(c.eqn.outputs) - 1)
@@ -275,6 +280,58 @@ def elementwise_loss(c: Ctx) -> list[Rows]:
     return _reduced_loss(c, agree(_placed(c, ndim)))
 
 
+# --------------------------------------------------------------------------- composites that pair rows
+# ir.trace keeps CompositeImplicitAutograd ops whole; these are the ones contrastive losses are written with.
+
+
+def _last_dim(c: Ctx, ndim: int) -> int:
+    return ndim - 1
+
+
+def _dim_arg(c: Ctx, ndim: int) -> int:
+    return norm_dim(int(c.arg("dim")), ndim)
+
+
+def broadcast_reduced(dim_of: Callable[[Ctx, int], int]) -> Rule:
+    """cosine_similarity (over `dim`) / pairwise_distance (over the last dim): elementwise over the broadcast
+    operands, then a non-linear reduction of one dim. Rows in two dims pair them (SimCLR's
+    `cosine_similarity(z[:, None], z[None], dim=-1)`); a reduction over the rows' dim mixes them."""
+    def rule(c: Ctx) -> list[Rows]:
+        states = [c.state(x) for x in c.tensors()]
+        if any(s.unknown for s in states):
+            return c.outputs(UNKNOWN)
+        if any(s.summed for s in states):
+            raise Mixes(f"takes `{c.op}` of a sum or mean over the batch's rows")
+        ndim = max(len(shape_of(x)) for x in c.tensors())
+        placed = agree(_placed(c, ndim))
+        if not placed.rows:
+            return c.outputs(placed)
+        d = dim_of(c, ndim)
+        if placed.dim == d:
+            raise Mixes(f"takes `{c.op}` over dim {d}, which carries the batch's rows")
+        kept = _keepdim(c) and len(c.out_shape()) == ndim
+        return c.outputs(c.checked(rows(placed.dim - (placed.dim > d and not kept), placed.inner), c.out_shape()))
+    return rule
+
+
+def pdist(c: Ctx) -> list[Rows]:
+    """pdist(x [N, M]): the distance of every pair of x's rows (dim 0)."""
+    s = c.state(c.first)
+    if s.rows and s.dim == 0:
+        raise Mixes("pairs the batch's rows: every row's distance to every other")
+    return c.outputs(UNKNOWN if s.rows or s.summed else s)
+
+
+def outer(c: Ctx) -> list[Rows]:
+    """outer / ger (a [n], b [k] -> [n, k]): a's rows in dim 0, b's in dim 1 (both: every row against every
+    other)."""
+    sa, sb = (c.state(x) for x in c.eqn.args[:2])
+    if sa.unknown or sb.unknown or sa.summed or sb.summed:
+        return c.outputs(UNKNOWN)
+    placed = agree([(0, sa.inner)] * sa.rows + [(1, sb.inner)] * sb.rows)
+    return c.outputs(c.checked(placed, c.out_shape()))
+
+
 # --------------------------------------------------------------------------- the table
 
 _POINTWISE_EXTRA = ("__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "where", "bitwise_and", "bitwise_or",
@@ -315,6 +372,8 @@ RULES: dict[str, Rule] = {
                                  "_batch_norm_impl_index", "_batch_norm_with_update",
                                  "_batch_norm_with_update_functional", "_batch_norm_no_update")},
     "group_norm": sample_norm, "native_group_norm": sample_norm, "instance_norm": sample_norm,
+    "cosine_similarity": broadcast_reduced(_dim_arg), "pairwise_distance": broadcast_reduced(_last_dim),
+    "pdist": pdist, "_pdist_forward": pdist, "outer": outer, "ger": outer,
     "cross_entropy_loss": class_loss, "nll_loss": class_loss, "nll_loss_nd": class_loss, "nll_loss2d": class_loss,
     **{op: elementwise_loss for op in _ELEMENTWISE_LOSSES},
     **INDEX_RULES, **CONTRACT_RULES,

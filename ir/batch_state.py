@@ -91,6 +91,7 @@ class Ctx:
     eqn: Eqn
     m: int
     states: Mapping[Var, Rows]
+    own_norms: bool = False  # train-mode BatchNorm's statistics are the engine's (engine.functionalize's modules)
     args: dict[str, Any] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:

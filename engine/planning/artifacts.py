@@ -15,6 +15,7 @@ asks for them (`Planned.stages`), so `engine.plan` never traces a stage and exec
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ from ir.autodiff import diff_positions, joint_key, recompute_level
 from ..errors import PlanError
 from .plan import Plan
 from .rows import check_plan
+
+log = logging.getLogger("engine.plan")
 
 
 @attrs.frozen(eq=False)
@@ -122,15 +125,28 @@ class Workshop:
         of 2 for a size of 1 (with one row the rows' dim looks like any dim of size 1), with its source line."""
         size = max(size, 2)
         if size not in self._mixed:
-            found = ir.mixed_rows(self.graph(size))
+            found = ir.mixed_rows(self.graph(size), own_norms=self.finish is not None)
             self._mixed[size] = found if found is None or found.source else self._located(size, found)
+            if found is None:
+                self._warn_aux(size)
         return self._mixed[size]
+
+    def _warn_aux(self, size: int) -> None:
+        """Log an aux leaf that mixes the batch's rows: the step returns the parts' average of it (a metric such
+        as `loss.exp()` or `logits.max()`), which the user may not expect; the loss and grads stay exact."""
+        g = self.graph(size)
+        if len(g.outputs) > 1:
+            found = ir.mixed_rows(g, outputs=range(1, len(g.outputs)), own_norms=self.finish is not None)
+            if found is not None:
+                log.warning("an aux output mixes rows of the batch (%s): the step returns the average of its "
+                            "value over the microbatches and dp replicas, not its value on the whole batch", found)
 
     def _located(self, size: int, found: ir.MixedRows) -> ir.MixedRows:
         """`found` with its source line, from the function traced again with lines (only for an error)."""
         specs = pytree.tree_map(lambda x: microbatch_spec(x, size), self.batch)
         try:
-            again = ir.mixed_rows(ir.trace(self.traced, self.params, *specs, device=self.device, lines=True))
+            again = ir.mixed_rows(ir.trace(self.traced, self.params, *specs, device=self.device, lines=True),
+                                  own_norms=self.finish is not None)
         except Exception:  # noqa: BLE001 -- the line is a hint; the refusal stands without it
             return found
         return again if again is not None and again.index == found.index else found

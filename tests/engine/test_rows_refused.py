@@ -7,6 +7,7 @@ counts plan one microbatch, and with microbatches=1 and dp=1 the step equals tor
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Callable
 
 import pytest
@@ -162,5 +163,44 @@ def test_means_over_the_batch_are_still_cut_into_microbatches(name: str) -> None
     assert plan.microbatches == 4
     parts = ir.deferred_of(fn)
     g = ir.trace(parts.local if parts is not None else fn, params, *(x[:2] for x in batch))
-    states, found = ir.batch_rows(g)
+    states, found = ir.batch_rows(g, own_norms=parts is not None)  # functionalize's BatchNorm: the engine's own
     assert found == [] and states[g.outputs[0]].summed  # followed to the loss, not given up on the way
+
+
+def test_train_mode_batch_norm_by_hand_is_refused_and_functionalized_batchnorm_is_not() -> None:
+    """F.batch_norm(training=True) written in a loss normalises with the whole batch's statistics (4 microbatches
+    give other numbers); engine.functionalize's BatchNorm is run per microbatch by the engine (planned above)."""
+    def by_hand(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(F.batch_norm(torch.tanh(x @ p["wa"]), None, None, training=True), y[:, :4])
+
+    p, (x, y) = _params(), _batch()
+    parts = torch.stack([by_hand(p, a, b) for a, b in zip(x.chunk(4), y.chunk(4))]).mean()
+    assert abs(float(parts - by_hand(p, x, y))) > 1e-3  # what the refusal prevents
+    with pytest.raises(engine.InputError, match="batch_norm.*statistics over all the batch's rows"):
+        engine.plan(by_hand, p, x, y, world_size=2, microbatches=4)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_an_aux_metric_that_mixes_rows_is_averaged_with_a_warning_not_refused() -> None:
+    """`(loss, {"max": logits.max()})`: the loss and grads are exact, the aux is the parts' average (logged)."""
+    def fn(p: dict, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        h = torch.tanh(x @ p["wa"]) @ p["wb"].t()
+        return F.mse_loss(h, y), {"max": h.max().detach()}
+
+    p, (x, y) = _params(), _batch()
+    records, logger = _Records(), logging.getLogger("engine.plan")
+    logger.addHandler(records)
+    try:
+        plan = engine.plan(fn, p, x, y, world_size=2, microbatches=4, has_aux=True)
+    finally:
+        logger.removeHandler(records)
+    assert plan.microbatches == 4
+    assert any("an aux output mixes rows" in m and "max" in m for m in records.messages), records.messages

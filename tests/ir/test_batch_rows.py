@@ -77,6 +77,16 @@ MIXING: dict[str, tuple[Callable, str, str]] = {
     "a batch gram matrix, squared": (lambda p, x, y: (_emb(p, x).t() @ y).pow(2).sum(), "pow", "non-linear `pow`"),
     "layer norm over [B, D]": (lambda p, x, y: _mse(F.layer_norm(_emb(p, x), (B, D))), "layer_norm",
                                "normalises over dim 0"),
+    "batch norm in train mode, by hand": (lambda p, x, y: _bn_train(p, x, y), "batch_norm",
+                                          "statistics over all the batch's rows"),
+    "SimCLR's cosine similarity of broadcast rows": (lambda p, x, y: F.cross_entropy(torch.nn.CosineSimilarity(dim=2)(
+        _emb(p, x).unsqueeze(1), _emb(p, y).unsqueeze(0)), torch.arange(len(x))), "cosine_similarity",
+        "in dims 0 and 1"),
+    "pairwise distance of broadcast rows": (lambda p, x, y: F.pairwise_distance(_emb(p, x)[:, None], y[None]).mean(),
+                                            "pairwise_distance", "in dims 0 and 1"),
+    "pdist": (lambda p, x, y: torch.pdist(_emb(p, x)).mean(), "pdist", "every row's distance to every other"),
+    "outer product of two batch vectors": (lambda p, x, y: torch.outer(_emb(p, x)[:, 0], y[:, 0]).logsumexp(-1).mean(),
+                                           "outer", "in dims 0 and 1"),
 }
 
 
@@ -119,7 +129,6 @@ MEANS: dict[str, Callable] = {
     "cross-entropy with ignore_index": _ignore_index,
     "softmax over features": lambda p, x, y: (torch.softmax(_emb(p, x), -1) * y).sum(-1).mean(),
     "layer norm over features": lambda p, x, y: F.mse_loss(F.layer_norm(_emb(p, x), (D,)), y),
-    "batch norm in train mode": _bn_train,
     "attention, batch first": lambda p, x, y: _mse(F.scaled_dot_product_attention(*(_emb(p, x).view(B, 2, 3),) * 3)),
     "attention, sequence first": _seq_first_attention,
     "einsum attention": lambda p, x, y: torch.einsum("bij,bjd->bid", torch.softmax(torch.einsum(
@@ -129,6 +138,8 @@ MEANS: dict[str, Callable] = {
         (_emb(p, x) @ p["v"]).repeat_interleave(2, 0).view(B, 2, 3).flatten(0, 1), y.argmax(-1)[:, None].expand(
             B, 2).reshape(-1) % 3),
     "keyed dropout": _keyed,
+    "cosine similarity of each row's pair": lambda p, x, y: (1 - F.cosine_similarity(_emb(p, x), y, dim=-1)).mean(),
+    "pairwise distance of each row's pair": lambda p, x, y: F.pairwise_distance(_emb(p, x), y).mean(),
 }
 
 
@@ -188,13 +199,27 @@ def test_known_misses_rows_picked_by_a_constant() -> None:
     assert ir.mixed_rows(ir.trace(lambda p, x, y: _mse(_emb(p, x)[1:] - _emb(p, x)[:-1]), _params(), x, y)) is None
 
 
-def test_an_aux_output_that_mixes_rows_is_found_too() -> None:
+def test_an_aux_output_that_mixes_rows_is_found_only_when_asked() -> None:
+    """The loss's path decides (the grads come from it); an aux leaf is looked at apart (the engine warns)."""
     def fn(p: dict, x: torch.Tensor, y: torch.Tensor) -> tuple:
         return F.mse_loss(_emb(p, x), y), {"spread": _emb(p, x).std(0).mean()}
 
     x, y = _batch()
-    found = ir.mixed_rows(ir.trace(fn, _params(), x, y))
+    g = ir.trace(fn, _params(), x, y)
+    assert ir.mixed_rows(g) is None
+    found = ir.mixed_rows(g, outputs=range(1, len(g.outputs)))
     assert found is not None and found.op.startswith("aten.std.")
+
+
+def test_train_mode_batch_norm_is_the_engines_own_only_in_functionalized_modules() -> None:
+    """`own_norms` (a function engine.functionalize made, its BatchNorm run per microbatch by the engine): the
+    output keeps its rows and the loss is a sum over them; by hand, the same op mixes rows."""
+    x, y = _batch()
+    g = ir.trace(_bn_train, _params(), x, y)
+    assert ir.mixed_rows(g, own_norms=True) is None
+    states, found = ir.batch_rows(g, own_norms=True)
+    assert found == [] and states[g.outputs[0]].summed
+    assert ir.mixed_rows(g) is not None
 
 
 def test_the_refusal_names_the_op_its_shapes_and_with_lines_its_source_line() -> None:
