@@ -8,14 +8,13 @@ over one operand's rows for each row of the other. Summing over the rows of both
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from .batch_state import UNKNOWN, Ctx, Mixes, Rows, agree, rows, shape_of, summed
+from .batch_state import UNKNOWN, Ctx, Mixes, Rows, Rule, agree, rows, shape_of, summed
 
 __all__ = ["CONTRACT_RULES"]
 
-Rule = Callable[[Ctx], "list[Rows]"]
 _CROSS = "sums over the batch's rows of one operand for each row of the other: every row meets every other"
 
 

@@ -7,16 +7,14 @@ ops to show, and they cannot (unknown is never refused). `arange(n)` as the inde
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .batch_state import UNKNOWN, Ctx, Mixes, Rows, agree, norm_dim, reshaped, rows, shape_of, summed
+from .batch_state import UNKNOWN, Ctx, Mixes, Rows, Rule, agree, norm_dim, reshaped, rows, shape_of, summed
 
 __all__ = ["INDEX_RULES"]
 
-Rule = Callable[[Ctx], "list[Rows]"]
 
 
 def picks(rule: Rule) -> Rule:
@@ -110,7 +108,7 @@ def select(c: Ctx) -> list[Rows]:
     return c.outputs(UNKNOWN) if s.dim == d else _moved(c, s, s.dim - (d < s.dim))
 
 
-def _whole(c: Ctx, size: int, start: Any, end: Any, step: Any = 1) -> bool:
+def _whole(size: int, start: Any, end: Any, step: Any = 1) -> bool:
     return (start in (None, 0)) and (end is None or end >= size) and step in (None, 1)
 
 
@@ -121,8 +119,8 @@ def slice_(c: Ctx) -> list[Rows]:
     if not s.rows or s.dim != d:
         return c.outputs(c.checked(s, c.out_shape()) if s.rows else s)
     size = shape_of(x)[d]
-    whole = (_whole(c, size, c.arg("start"), c.arg("end"), c.arg("step")) if c.op == "slice"
-             else _whole(c, size, c.arg("start"), c.arg("start") + c.arg("length")))
+    whole = (_whole(size, c.arg("start"), c.arg("end"), c.arg("step")) if c.op == "slice"
+             else _whole(size, c.arg("start"), c.arg("start") + c.arg("length")))
     return c.outputs(s if whole else UNKNOWN)
 
 
@@ -152,7 +150,7 @@ def cat(c: Ctx) -> list[Rows]:
     if any(dim == d for dim, _ in found):
         same = all(s.rows and (s.dim, s.inner) == found[0] for s in states)
         return c.outputs(c.checked(rows(*found[0]), c.out_shape()) if same else UNKNOWN)
-    return c.outputs(_joined(c, found, ndim))
+    return c.outputs(_joined(c, found))
 
 
 def stack(c: Ctx) -> list[Rows]:
@@ -160,16 +158,17 @@ def stack(c: Ctx) -> list[Rows]:
     ndim = len(c.out_shape())
     d = norm_dim(int(c.arg("dim")), ndim)
     found = [(s.dim + (s.dim >= d), s.inner) for t in parts if (s := c.state(t)).rows]
-    return c.outputs(_joined(c, found, ndim))
+    return c.outputs(_joined(c, found))
 
 
-def _joined(c: Ctx, found: list[tuple[int, int]], ndim: int) -> Rows:
-    """Parts that put their rows in one place keep them; parts that disagree are not followed (joining is
-    not yet comparing)."""
+def _joined(c: Ctx, found: list[tuple[int, int]]) -> Rows:
+    """Parts that put their rows in one place keep them; parts that put them in different dims pair every row
+    with every other (a relation network's or a cross-encoder's `cat([a[:, None].expand(n, n, d),
+    b[None].expand(n, n, d)], -1)`: position [i, j] holds row i beside row j), Mixes as `agree` says."""
     try:
         return c.checked(agree(found), c.out_shape())
-    except Mixes:
-        return UNKNOWN
+    except Mixes as mix:
+        raise Mixes(f"joins parts that hold the batch's rows in different places: {mix}") from None
 
 
 def pad(c: Ctx) -> list[Rows]:

@@ -12,12 +12,11 @@ import torch
 
 from .batch_contract import CONTRACT_RULES
 from .batch_index import INDEX_RULES
-from .batch_state import CLEAN, UNKNOWN, Ctx, Mixes, Rows, agree, norm_dim, reshaped, rows, shape_of, summed
+from .batch_state import CLEAN, UNKNOWN, Ctx, Mixes, Rows, Rule, agree, norm_dim, reshaped, rows, shape_of, summed
 from .purify import resolve
 
 __all__ = ["KEEPS_IOTA", "RULES", "rule_of"]
 
-Rule = Callable[[Ctx], "list[Rows]"]
 
 # --------------------------------------------------------------------------- elementwise
 

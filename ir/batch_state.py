@@ -18,7 +18,7 @@ m is the microbatch's row count (dim 0 of every batch input). A rule that finds 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -82,6 +82,9 @@ class Mixes(Exception):
 def short(op: str) -> str:
     """`aten.matmul.default` -> `matmul`."""
     return op.removeprefix("aten.").split(".")[0]
+
+
+Rule = Callable[["Ctx"], "list[Rows]"]  # a rule: the states of an equation's outputs (or Mixes)
 
 
 @attrs.frozen(eq=False)

@@ -85,6 +85,12 @@ MIXING: dict[str, tuple[Callable, str, str]] = {
     "pairwise distance of broadcast rows": (lambda p, x, y: F.pairwise_distance(_emb(p, x)[:, None], y[None]).mean(),
                                             "pairwise_distance", "in dims 0 and 1"),
     "pdist": (lambda p, x, y: torch.pdist(_emb(p, x)).mean(), "pdist", "every row's distance to every other"),
+    "every pair of rows side by side (a relation network)": (lambda p, x, y: _mse(torch.tanh(torch.cat(
+        [_emb(p, x)[:, None].expand(B, B, D), _emb(p, y)[None].expand(B, B, D)], -1) @ torch.cat([p["w"], p["w"]]))), "cat",
+        "in dims 0 and 1"),
+    "every pair of rows stacked": (lambda p, x, y: _mse(torch.stack(
+        [_emb(p, x)[:, None].expand(B, B, D), _emb(p, y)[None].expand(B, B, D)], -1).prod(-1)), "stack",
+        "in dims 0 and 1"),
     "outer product of two batch vectors": (lambda p, x, y: torch.outer(_emb(p, x)[:, 0], y[:, 0]).logsumexp(-1).mean(),
                                            "outer", "in dims 0 and 1"),
 }
