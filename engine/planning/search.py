@@ -230,7 +230,11 @@ class Session:
         ranked, reasons = self.ranked()
         found = _first_fitting(self.planner, ranked, reasons)
         if found is None:
-            raise SplitError("no layout fits: " + "; ".join(reasons[:4]) +
+            whole = (f"the loss compares rows of the batch, so the batch is kept whole (one microbatch, dp 1; "
+                     f"engine/planning/rows.py), and {self.planner.schedule} cannot run it that way: choose a "
+                     "schedule that runs one microbatch (1f1b, gpipe, zbv) or make the loss a mean of per-row "
+                     "terms. ") if self.whole else ""
+            raise SplitError(whole + "no layout fits: " + "; ".join(reasons[:4]) +
                              (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""))
         return found
 

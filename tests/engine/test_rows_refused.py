@@ -108,6 +108,16 @@ def test_auto_counts_plan_the_batch_whole(options: dict) -> None:
     assert cut.microbatches * cut.dp > 1
 
 
+def test_auto_counts_under_a_schedule_that_needs_several_microbatches_say_why() -> None:
+    """interleaved-1f1b needs a multiple of p microbatches: the batch kept whole cannot run, and the error says
+    that the loss comparing rows is why (not only "use 2 microbatches", which would itself be refused)."""
+    p, (x, y) = _params(), _batch()
+    with pytest.raises(engine.SplitError, match="the loss compares rows of the batch, so the batch is kept whole.*"
+                                               "interleaved-1f1b cannot run it"):
+        engine.plan(contrastive, p, x, y, world_size=2, schedule="interleaved-1f1b", stages_per_rank=2,
+                    microbatches="auto")
+
+
 def test_a_plan_made_for_another_function_is_refused_for_it() -> None:
     """A plan from a cache or made by hand is checked when its artefacts are built (`planned_from`)."""
     p, (x, y) = _params(), _batch()
