@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
+from .autodiff import _ancestors
 from .batch_rules import KEEPS_IOTA, rule_of
 from .batch_state import CLEAN, IOTA, UNKNOWN, Ctx, Mixes, Rows, rows, short
 from .core import Eqn, Graph, Literal, Var
@@ -119,19 +119,6 @@ def batch_rows(g: Graph, m: int | None = None, *, own_norms: bool = False) -> tu
     return states, found
 
 
-def _on_paths(g: Graph, outputs: Sequence[int]) -> set[int]:
-    """Indices of the equations the graph outputs numbered `outputs` depend on."""
-    made = {v: i for i, e in enumerate(g.eqns) for v in e.out_vars}
-    seen: set[int] = set()
-    stack: list[Any] = [g.outputs[k] for k in outputs if isinstance(g.outputs[k], Var)]
-    while stack:
-        i = made.get(stack.pop())
-        if i is not None and i not in seen:
-            seen.add(i)
-            stack.extend(g.eqns[i].inputs)
-    return seen
-
-
 def mixed_rows(g: Graph, m: int | None = None, *, outputs: Sequence[int] = (0,),
                own_norms: bool = False) -> MixedRows | None:
     """The first op on the path of the outputs numbered `outputs` (by default the loss: what the step's
@@ -139,5 +126,5 @@ def mixed_rows(g: Graph, m: int | None = None, *, outputs: Sequence[int] = (0,),
     nothing but the mean's grouping (see the module docstring). An aux leaf's (`outputs=range(1, n)`) is
     only averaged over the parts, as the README says of aux: the engine warns of it, it does not refuse."""
     _, found = batch_rows(g, m, own_norms=own_norms)
-    live = _on_paths(g, outputs)
+    live = _ancestors(g, [g.outputs[k] for k in outputs], set())
     return next((f for f in found if f.index in live), None)
