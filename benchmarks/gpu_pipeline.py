@@ -150,25 +150,30 @@ REBALANCE = {"": "auto", "fixed": False, "step": "step"}  # a compiler's suffix 
 def variant(modes: list[str]) -> Iterator[Any]:
     """A row's variant, from its compiler's suffixes (`--compilers auto-room8-gated`): "fixed" / "step" the
     rebalance mode (REBALANCE), "roomN" the extra stage-microbatches a searched zero-bubble order may hold
-    (engine.planning.refine.ROOMS = (N,); "room0": none), "gated" gated receives (FNPIPE_GATED_RECV=1; read
-    when the transports are made, inside parallelize). Yields parallelize's `rebalance`."""
+    (engine.planning.refine.ROOMS = (N,); "room0": none), "gated" gated receives (FNPIPE_GATED_RECV=1), "copy"
+    copy-engine channels (FNPIPE_P2P=copy; both read when the transports are made, inside parallelize). Yields
+    parallelize's `rebalance`."""
     from engine.planning import refine
 
     rebalance = REBALANCE[next((m for m in modes if m in REBALANCE), "")]
     rooms = [int(m[4:]) for m in modes if m.startswith("room")]
-    saved, gated = refine.ROOMS, os.environ.get("FNPIPE_GATED_RECV")
+    switches = {"gated": ("FNPIPE_GATED_RECV", "1"), "copy": ("FNPIPE_P2P", "copy")}
+    saved_rooms = refine.ROOMS
+    saved = {name: os.environ.get(name) for name, _ in switches.values()}
     try:
         if rooms:
             refine.ROOMS = tuple(r for r in rooms if r > 0)
-        if "gated" in modes:
-            os.environ["FNPIPE_GATED_RECV"] = "1"
+        for mode, (name, value) in switches.items():
+            if mode in modes:
+                os.environ[name] = value
         yield rebalance
     finally:
-        refine.ROOMS = saved
-        if gated is None:
-            os.environ.pop("FNPIPE_GATED_RECV", None)
-        else:
-            os.environ["FNPIPE_GATED_RECV"] = gated
+        refine.ROOMS = saved_rooms
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_torch(b: Bench, schedule: str, *, compiled: bool) -> None:
@@ -411,7 +416,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "with -fixed (auto-fixed): the planner's split kept, parallelize(rebalance=False); with -step "
                     "(auto-step): re-split from the programs' times inside traced steps, rebalance=\"step\"; with -roomN "
                     "(auto-room2): a searched zero-bubble order holds at most N stage-microbatches more (refine.ROOMS); "
-                    "with -gated: gated receives (FNPIPE_GATED_RECV=1); suffixes combine (auto-room8-gated)")
+                    "with -gated: gated receives (FNPIPE_GATED_RECV=1); with -copy: copy-engine channels (FNPIPE_P2P=copy); "
+                    "suffixes combine (auto-room8-gated)")
     ap.add_argument("--torch-eager", default="1f1b", help="PyTorch schedules with eager blocks")
     ap.add_argument("--torch-compiled", default="1f1b,gpipe,interleaved-1f1b",
                     help="PyTorch schedules with each block torch.compile'd (run in each family's part)")

@@ -13,6 +13,8 @@
 #   bash benchmarks/h200_session.sh four      # 4 GPUs: depth 4, both families, every schedule; the model on one GPU
 #   bash benchmarks/h200_session.sh fourdp    # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2
 #   bash benchmarks/h200_session.sh fourzbv   # 4 GPUs: zbv at p = 4, the planner's room against room 2 and gated
+#   bash benchmarks/h200_session.sh fourcopy  # 4 GPUs: copy-engine channels (FNPIPE_P2P=copy): NCCL equivalence at
+#                                             # 2 ranks with them, then zbv and 1f1b at p = 4 with and without
 #   bash benchmarks/h200_session.sh fourall   # 4 GPUs: depth 4 and DP2 x PP2, fnpipe's default only, in one command
 #   bash benchmarks/h200_session.sh fourwhy   # 4 GPUs: why programs run slower in a step than in turn: per
 #                                             # program kernels and span, allocator counters; GPT zbv at p = 4
@@ -27,7 +29,7 @@
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourwhy|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -77,6 +79,19 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       bench 575 4 29516 --budget 545 --families "$families" --calibrate "$cal" --one-gpu-layers 16 --one-gpu-rows fnpipe \
         --compilers auto,auto-room2,auto-gated --schedules zbv --torch-eager "" --torch-compiled 1f1b --torch-risky "" \
         --timeout 240 --out-dir "$out"
+      ;;
+    fourcopy)  # 4 GPUs: copy-engine channels (engine/execution/copies.py). Their float64 equivalence over NCCL
+               # at 2 ranks first (GPUs 0,1), then zbv and 1f1b at p = 4, NCCL's kernels against the copy engines
+               # in one launch, each family's one-GPU fnpipe row last for the share of ideal
+      FNPIPE_P2P=copy ENGINE_LOG_LEVEL_LAUNCH=INFO CUDA_VISIBLE_DEVICES=0,1 timeout "${EQ_TIMEOUT:-120}" \
+        mpirun --allow-run-as-root -n 2 python3 tests/mpi/equivalence.py > "$out/equivalence_copy.txt" 2>&1
+      echo "copy-engine equivalence over NCCL, 2 ranks: exit $?, $(grep -c '^OK' "$out/equivalence_copy.txt") OK," \
+        "$(grep -c '^FAIL' "$out/equivalence_copy.txt") FAIL, $(grep -c 'copy-engine channels from' \
+        "$out/equivalence_copy.txt") opened"; grep -v '^OK' "$out/equivalence_copy.txt" | tail -n 20
+      bench "${BENCH_TIMEOUT:-440}" 4 29516 --budget "${BENCH_BUDGET:-410}" --families "$families" --calibrate "$cal" \
+        --one-gpu-layers 16 --one-gpu-rows fnpipe --compilers "${COMPILERS:-auto,auto-copy}" \
+        --schedules "${SCHEDULES:-zbv,1f1b}" --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 \
+        --out-dir "$out"
       ;;
     fourall)  # 4 GPUs, one command: depth 4 (zbv, 1f1b, interleaved-1f1b), then DP2 x PP2 (1f1b), each row's
               # predictions beside it: the planner's and the one from the stage programs measured on the device

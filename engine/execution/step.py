@@ -73,6 +73,7 @@ class Step:
         self.local_params = sorted(mine | (set(self.unused) if self.position == 0 else set()))
         self.executor = Executor(self.program, self.infos, transport, microbatches=self.plan.microbatches,
                                  dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
+        transport.prepare(largest_receives(self.program, self.executor.layouts))  # collective: copy-engine rings
         self.closed = False
         self.profile: Profile | None = None  # the stage programs measured on the device (profile_programs)
         self.rebalanced: Any = None  # parallelize's re-split from the measured programs, if it made one
@@ -263,7 +264,7 @@ class Step:
         if forward is None or gather not in GATHER:
             raise PlanError("step.evaluate needs an eval function: pass forward=fn(params, *inputs) -> outputs, or "
                             "parallelize a function made by engine.functionalize (it carries the module's eval-mode "
-                            f"forward)" if forward is None else f"gather must be one of {GATHER}, got {gather!r}")
+                            "forward)" if forward is None else f"gather must be one of {GATHER}, got {gather!r}")
         key = (forward, tuple((tuple(x.shape), x.dtype) for x in pytree.tree_leaves(tuple(inputs))))
         if key not in self.evaluators:
             self.evaluators[key] = Evaluator(self, forward, params, inputs)
@@ -292,6 +293,16 @@ class Step:
                 dist.recv(buf, src=src)
                 out[pid] = buf
         return pytree.tree_unflatten(out, spec) if out is not None else None
+
+
+def largest_receives(program: Program, layouts: Callable[[Any], Any]) -> dict[int, int]:
+    """Each peer this rank receives from -> the bytes of the largest message it receives from it in `program`."""
+    out: dict[int, int] = {}
+    for ins in program.instrs:
+        for c in ins.comm:
+            if c.op == "recv":
+                out[c.peer] = max(out.get(c.peer, 0), *(m.nbytes for m in layouts(c).messages))
+    return out
 
 
 def connect(world: launch.World, planned: Planned, timeout: float) -> Transport:

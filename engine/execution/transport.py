@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError, PlanError
+from . import copies as copying
 from . import gates as gating
 
 log = logging.getLogger("engine.launch")
@@ -37,6 +38,7 @@ class Transport(Protocol):
 
     def post(self, ops: Sequence[tuple[str, int, torch.Tensor]], *, pooled: bool = False) -> list[Any]: ...
     def receiving(self, peer: int) -> contextlib.AbstractContextManager[None]: ...
+    def prepare(self, receives: dict[int, int]) -> None: ...
     def wait(self, handle: Any, what: str) -> None: ...
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
     def all_gather_json(self, obj: Any) -> list[Any]: ...
@@ -79,8 +81,11 @@ class DistTransport:
     a send never blocks compute or the opposite direction, and no grouping of sends and receives
     (whose asymmetric batching NCCL may hang on) is needed. Channels connect at start-up, in one
     global order, so their lazy rendezvous cannot interleave with a step. On NCCL, a channel within
-    one host is then gated (`gates`): its receives reach the GPU only when their data is ready.
-    Receive buffers for `post(..., pooled=True)` are made inside `receiving(peer)`.
+    one host is then gated (`gates`): its receives reach the GPU only when their data is ready. With
+    FNPIPE_P2P=copy, `prepare` (called by each Step with the largest message it receives from each peer) gives the
+    channels within one host copy-engine rings (`copies`): a message that fits a slot crosses by the copy
+    engine, one that does not through the channel's communicator. Receive buffers for `post(..., pooled=True)`
+    are made inside `receiving(peer)`.
     """
 
     def __init__(self, timeout: float, groups: Sequence[tuple[int, ...]] = (),
@@ -104,6 +109,7 @@ class DistTransport:
         self.device = device if device is not None and self.nccl else torch.device("cpu")
         _OPEN.add(self)
         self.gates: gating.Gates | None = None
+        self.copies: copying.Copies | None = None
         self._connect(self.device)
         self.gates = self._open_gates()
 
@@ -152,47 +158,142 @@ class DistTransport:
         log.info("rank %d: gated receives from ranks %s", self.rank, list(out.incoming))
         return out
 
-    def _gate_step(self, make: Any, what: str) -> Any:
-        """`make()` on every rank, then whether all succeeded; a rank's failure turns gating off everywhere."""
+    def _gate_step(self, make: Any, what: str, off: str = "receives are not gated (each waits on the GPU for its "
+                   "sender)") -> Any:
+        """`make()` on every rank, then whether all succeeded; a rank's failure turns the feature off everywhere
+        (a warning starting with `off` says why)."""
         try:
             made, error = make(), None
         except Exception as exc:  # noqa: BLE001 -- every rank must hear of it before anyone goes on
             made, error = None, f"rank {self.rank}: {what}: {type(exc).__name__}: {exc}"
         errors = [e for e in self.all_gather_json(error) if e]
         if errors:
-            log.warning("receives are not gated (each waits on the GPU for its sender): %s", "; ".join(errors))
+            log.warning("%s: %s", off, "; ".join(errors))
             if isinstance(made, gating.Gates):
                 made.release()
+            if isinstance(made, copying.Copies):
+                made.close()
             return None
         return made if made is not None else True
 
+    def prepare(self, receives: dict[int, int]) -> None:
+        """Open copy-engine channels (`copies`, FNPIPE_P2P=copy) for a step whose largest message from each peer
+        is `receives[peer]` bytes, once per transport. Collective: every rank calls it (a Step does, when made)."""
+        if self.copies is None:
+            self.copies = self._open_copies(receives)
+
+    def _open_copies(self, receives: dict[int, int], driver: copying.Driver | None = None) -> copying.Copies | None:
+        """Copy-engine rings on the channels whose two ends share a host and ask for them, and whose receiver
+        receives something. Collective: four small all-gathers; a rank's failure in any step leaves every
+        channel on NCCL (a warning says why)."""
+        asks = copying.asks(self.nccl, self.device)
+        if asks and not gating.usable():
+            log.warning("rank %d: FNPIPE_P2P=copy but CUDA_DEVICE_MAX_CONNECTIONS=%s (below 4): a waiting copy stream "
+                        "could hold up compute on a shared hardware queue; transfers stay on NCCL", self.rank,
+                        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+            asks = False
+        slots = copying.depth() if asks else 0
+        everyone = self.all_gather_json({"host": socket.gethostname(), "asks": asks, "token": uuid.uuid4().hex,
+                                         "slots": slots, "receives": {str(p): n for p, n in receives.items()}})
+
+        def near(a: int, b: int) -> bool:
+            return everyone[a]["asks"] and everyone[b]["asks"] and everyone[a]["host"] == everyone[b]["host"] \
+                and str(a) in everyone[b]["receives"]
+
+        pairs = [(a, b) for a, b in sorted(self.channels) if near(a, b)]
+        if not pairs:
+            return None
+        off = "transfers stay on NCCL (no copy-engine channels)"
+        paths = {r: f"/dev/shm/fnpipe-copies-{everyone[0]['token']}-{r}" for r in sorted({r for p in pairs for r in p})}
+        mine = paths.get(self.rank)
+        made: copying.Copies | None = None
+        try:
+            if self._gate_step(lambda: gating.Flags(mine, 2 * self.world_size, create=True) if mine else None,
+                               "making its count page", off) is None:
+                return None
+
+            def rings() -> Any:
+                nonlocal made
+                if not mine:
+                    return {}
+                made = copying.Copies(self.rank, self.world_size, paths, self.device, driver or copying.CudaDriver(),
+                                      self.timeout)
+                return made.rings({a: receives[a] for a, b in pairs if b == self.rank}, everyone[self.rank]["slots"])
+
+            exported = self._exported(rings, off)
+            if exported is None:
+                if made is not None:
+                    made.close()
+                return None
+            if self._gate_step(lambda: made.connect(exported) if made is not None else None, "opening the peers' rings",
+                               off) is None:
+                if made is not None:
+                    made.close()
+                return None
+        finally:
+            if mine and os.path.exists(mine):
+                os.unlink(mine)  # every rank has mapped it (or given up): the name is not needed
+        if made is not None:
+            log.info("rank %d: copy-engine channels from ranks %s, to ranks %s (%d slots)", self.rank,
+                     sorted(made.incoming), sorted(made.outgoing), everyone[self.rank]["slots"])
+        return made
+
+    def _exported(self, make: Any, off: str) -> list[Any] | None:
+        """Every rank's `make()` (its exported rings), or None on every rank if any rank failed to make them."""
+        try:
+            mine, error = make(), None
+        except Exception as exc:  # noqa: BLE001 -- every rank must hear of it before anyone goes on
+            mine, error = {}, f"rank {self.rank}: making its rings: {type(exc).__name__}: {exc}"
+        told = self.all_gather_json([mine, error])
+        errors = [e for _, e in told if e]
+        if errors:
+            log.warning("%s: %s", off, "; ".join(errors))
+            return None
+        return [m for m, _ in told]
+
     def receiving(self, peer: int) -> contextlib.AbstractContextManager[None]:
-        """Where buffers for receives from `peer` are made (`post(..., pooled=True)`): its gate's stream."""
+        """Where buffers for receives from `peer` are made (`post(..., pooled=True)`): its copy or gate stream."""
+        stream = self.copies.receiving(peer) if self.copies is not None else None
+        if stream is not None:
+            return torch.cuda.stream(stream)
         return self.gates.receiving(peer) if self.gates is not None and peer in self.gates.received \
             else contextlib.nullcontext()
 
     def post(self, ops: Sequence[tuple[str, int, torch.Tensor]], *, pooled: bool = False) -> list[Any]:
         works = []
-        gates = self.gates
+        gates, copies = self.gates, self.copies
+        self._copies_alive("posting transfers")
         for op, peer, t in ops:
             where = f"{op} {'to' if op == 'send' else 'from'} rank {peer}"
             try:  # gloo raises here at once when the peer's socket is already gone
-                if op == "send":
+                if copies is not None and copies.carries(op, peer, t):
+                    work = copies.send(peer, t) if op == "send" else copies.receive(peer, t, pooled=pooled)
+                elif op == "send":
                     work = dist.isend(t, peer, group=self.channels[(self.rank, peer)])
                     if gates is not None and peer in gates.sent:
                         gates.sent_one(peer)
                 else:
                     receive = functools.partial(dist.irecv, t, peer, group=self.channels[(peer, self.rank)])
                     gated = gates is not None and peer in gates.received
+                    if pooled and copies is not None and copies.receiving(peer) is not None:
+                        t.record_stream(torch.cuda.current_stream(self.device))  # made in the copy stream's pool
                     work = gates.receive(peer, t, receive, pooled=pooled) if gated else receive()
             except RuntimeError as exc:
                 raise self._failure(where, exc, (peer,)) from exc
             works.append(_DistWork(work, where, (peer,)))
         return works
 
+    def _copies_alive(self, what: str) -> None:
+        """Raise if the copy-engine channels' watch found a transfer past the timeout (`copies.Copies.check`)."""
+        copies = self.copies
+        if copies is not None and copies.failure is not None:
+            raise self._failure(what, RuntimeError(f"timed out: {copies.failure}"), (copies.late_peer,),
+                                copies.timeout)
+
     def wait(self, handle: Any, what: str) -> None:
         if handle is None:
             return
+        self._copies_alive(f"{what} ({handle.where})")
         start = time.monotonic()
         try:  # NCCL: wait() only orders streams; the process group's watchdog enforces the timeout
             handle.work.wait() if self.nccl else handle.work.wait(datetime.timedelta(seconds=self.timeout))
@@ -205,6 +306,8 @@ class DistTransport:
         nothing it queued waits on a peer that failed."""
         if getattr(self, "gates", None) is not None:
             self.gates.release()
+        if getattr(self, "copies", None) is not None:
+            self.copies.release()
         return CommTimeoutError(failure_message(self.rank, what, peers, waited=waited, timeout=self.timeout,
                                                 timed_out="timed out" in str(exc).lower()))
 
@@ -257,6 +360,9 @@ class DistTransport:
         them joins their gloo worker threads (destroy_process_group alone leaves them running)."""
         if self.gates is not None:
             self.gates.release()
+        if self.copies is not None:
+            self.copies.close()
+            self.copies = None
         for group in [*self.channels.values(), *self.groups.values(), *([self.patient] if self.patient else [])]:
             try:
                 dist.destroy_process_group(group)
@@ -479,6 +585,9 @@ class LocalTransport:
 
     def receiving(self, peer: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def prepare(self, receives: dict[int, int]) -> None:
+        pass  # threads of one process: no channels to open
 
     def wait(self, handle: Any, what: str) -> None:
         self.hub.block(self.rank, f"{handle.what} ({what})", lambda: handle.done)
