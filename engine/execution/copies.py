@@ -92,7 +92,19 @@ class Driver(gating.Driver, Protocol):
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # not c_char: a c_char array field reads up to its first NUL
+
+
+def handle_hex(handle: _IpcHandle) -> str:
+    """The 64 bytes of a CUipcMemHandle, as hex (JSON carries it to the peers)."""
+    return ctypes.string_at(ctypes.addressof(handle), 64).hex()
+
+
+def handle_of(text: str) -> _IpcHandle:
+    """The CUipcMemHandle `handle_hex` wrote."""
+    raw = _IpcHandle()
+    ctypes.memmove(ctypes.addressof(raw), bytes.fromhex(text), 64)
+    return raw
 
 
 _OPENED: dict[str, list[int]] = {}  # IPC handle -> [base address here, opens]: each allocation mapped once
@@ -126,7 +138,7 @@ class CudaDriver(gating.CudaDriver):
         gating._check(self._range(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange")
         handle = _IpcHandle()
         gating._check(self._export(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
-        return bytes(handle.reserved).hex(), address - base.value
+        return handle_hex(handle), address - base.value
 
     def open(self, handle: str) -> int:
         """The base address, in this process, of the allocation another process exported as `handle`. A handle
@@ -135,10 +147,8 @@ class CudaDriver(gating.CudaDriver):
         if held is not None:
             held[1] += 1
             return held[0]
-        raw = _IpcHandle()
-        ctypes.memmove(ctypes.addressof(raw), bytes.fromhex(handle), 64)
         out = ctypes.c_uint64()
-        gating._check(self._open(ctypes.byref(out), raw, self.LAZY_PEER_ACCESS), "cuIpcOpenMemHandle")
+        gating._check(self._open(ctypes.byref(out), handle_of(handle), self.LAZY_PEER_ACCESS), "cuIpcOpenMemHandle")
         _OPENED[handle] = [int(out.value), 1]
         return int(out.value)
 

@@ -164,6 +164,12 @@ def test_a_transfer_not_done_within_the_timeout_fails_the_transport_and_opens_it
     assert not b.watch.is_alive()
 
 
+def test_an_ipc_handle_crosses_as_hex_with_every_byte_even_zeros():
+    raw = bytes([0, 7, 0, 0, 255] + list(range(59)))
+    text = raw.hex()
+    assert copies.handle_hex(copies.handle_of(text)) == text and len(text) == 128
+
+
 @pytest.mark.parametrize("name,value,message", [("FNPIPE_P2P", "cpoy", "nccl"), ("FNPIPE_COPY_SLOTS", "0", ">= 1"),
                                                 ("FNPIPE_COPY_SLOTS", "two", ">= 1")])
 def test_bad_switches_name_the_fix(monkeypatch, name, value, message):
