@@ -28,7 +28,7 @@ from .program import COMPUTE, Instr, Program
 
 @attrs.frozen
 class Footprint:
-    """Bytes of one rank's step: `static` (params and batch), `peak` (everything, at instruction
+    """Bytes of one rank's step: `static` (params, batch, the transport's rings), `peak` (everything, at instruction
     `peak_at`), and `held[i]`, the bytes held after instruction i."""
 
     rank: int
@@ -125,15 +125,16 @@ HANDLERS: dict[str, Callable[[_Replay, Instr], None]] = {
 
 
 def footprint(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, *, microbatches: int,
-              measured: Callable[[Key], int | None] = lambda key: None) -> Footprint:
+              measured: Callable[[Key], int | None] = lambda key: None, resident: int = 0) -> Footprint:
     """The replayed bytes of `program` (a rank of a plan whose stages are `infos`, cut from `graph`);
     `measured(key)`: the bytes a compute's program was seen to make (`engine.execution.profile`), where
-    known, instead of fx's frees."""
+    known, instead of fx's frees; `resident`: bytes held all along besides params and batch (the transport's
+    copy-engine rings), counted as static."""
     param_bytes = {i: graph.inputs[i].aval.nbytes for i in range(graph.num_params)}
     mine = {ins.stage for ins in program.instrs if ins.stage >= 0}
     params = sorted({pid for s in mine for pid in infos[s].stage.param_ids})
     batch = sum(v.aval.nbytes for v in graph.batch)  # every rank gets every leaf of its replica's microbatches
-    static = sum(param_bytes[p] for p in params) + microbatches * batch
+    static = sum(param_bytes[p] for p in params) + microbatches * batch + resident
     replay = _Replay(infos, param_bytes, measured)
     held, peak, peak_at = [], 0, 0
     for i, ins in enumerate(program.instrs):

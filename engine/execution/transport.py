@@ -39,6 +39,7 @@ class Transport(Protocol):
     def post(self, ops: Sequence[tuple[str, int, torch.Tensor]], *, pooled: bool = False) -> list[Any]: ...
     def receiving(self, peer: int) -> contextlib.AbstractContextManager[None]: ...
     def prepare(self, receives: dict[int, int]) -> None: ...
+    def resident_bytes(self, rank: int) -> int: ...
     def wait(self, handle: Any, what: str) -> None: ...
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
     def all_gather_json(self, obj: Any) -> list[Any]: ...
@@ -110,6 +111,7 @@ class DistTransport:
         _OPEN.add(self)
         self.gates: gating.Gates | None = None
         self.copies: copying.Copies | None = None
+        self.rings: dict[int, int] = {}  # world rank -> bytes of its copy-engine rings (held while the transport is)
         self._connect(self.device)
         self.gates = self._open_gates()
 
@@ -182,6 +184,10 @@ class DistTransport:
         if self.copies is None:
             self.copies = self._open_copies(receives)
 
+    def resident_bytes(self, rank: int) -> int:
+        """Device bytes the transport holds on `rank` for as long as it is open: its copy-engine rings."""
+        return self.rings.get(rank, 0) if self.copies is not None else 0
+
     def _open_copies(self, receives: dict[int, int], driver: copying.Driver | None = None) -> copying.Copies | None:
         """Copy-engine rings on the channels whose two ends share a host and ask for them, and whose receiver
         receives something. Collective: four small all-gathers; a rank's failure in any step leaves every
@@ -233,6 +239,7 @@ class DistTransport:
         finally:
             if mine and os.path.exists(mine):
                 os.unlink(mine)  # every rank has mapped it (or given up): the name is not needed
+        self.rings = {r: sum(size * slots for _, _, size, slots in rings.values()) for r, rings in enumerate(exported)}
         if made is not None:
             log.info("rank %d: copy-engine channels from ranks %s, to ranks %s (%d slots)", self.rank,
                      sorted(made.incoming), sorted(made.outgoing), everyone[self.rank]["slots"])
@@ -362,7 +369,7 @@ class DistTransport:
             self.gates.release()
         if self.copies is not None:
             self.copies.close()
-            self.copies = None
+            self.copies, self.rings = None, {}
         for group in [*self.channels.values(), *self.groups.values(), *([self.patient] if self.patient else [])]:
             try:
                 dist.destroy_process_group(group)
@@ -588,6 +595,9 @@ class LocalTransport:
 
     def prepare(self, receives: dict[int, int]) -> None:
         pass  # threads of one process: no channels to open
+
+    def resident_bytes(self, rank: int) -> int:
+        return 0
 
     def wait(self, handle: Any, what: str) -> None:
         self.hub.block(self.rank, f"{handle.what} ({what})", lambda: handle.done)

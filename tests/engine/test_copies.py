@@ -222,6 +222,7 @@ def run_ranks(fn, world: int) -> list:
 
 def test_the_transport_opens_rings_where_both_ends_ask_and_routes_each_message_by_its_size(monkeypatch):
     monkeypatch.setattr(copies, "asks", lambda nccl, device: True)
+    monkeypatch.delenv("FNPIPE_COPY_SLOTS", raising=False)
     ts = shells(3, [(0, 1), (1, 2), (2, 1)], Hub(3, 30.0))
     receives = [{}, {0: 64, 2: 32}, {1: 64}]
     made = run_ranks(lambda r: ts[r]._open_copies(receives[r], driver=HostDriver()), 3)
@@ -230,6 +231,8 @@ def test_the_transport_opens_rings_where_both_ends_ask_and_routes_each_message_b
     assert made[1].incoming[2].capacity == copies.ALIGN  # 32 bytes asked, rounded up
     for r, m in enumerate(made):
         ts[r].copies = m
+    slot = copies.ALIGN * copies.DEPTH  # a ring of each 64- or 32-byte channel: DEPTH slots of ALIGN bytes
+    assert [ts[0].resident_bytes(r) for r in range(3)] == [0, 2 * slot, slot]  # every rank knows every rank's
     x = torch.arange(8, dtype=torch.float32)
     (sent,) = ts[0].post([("send", 1, x)])
     assert isinstance(sent.work, copies.CopyWork) and sent.is_completed()

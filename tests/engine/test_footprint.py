@@ -64,3 +64,20 @@ def test_each_rank_of_a_pipeline_agrees_with_the_planner_memory_model() -> None:
 def test_a_footprint_prints_its_peak() -> None:
     fp = engine.Footprint(rank=1, static=2**30, peak=3 * 2**29, peak_at=7, held=(2**30,) * 8)
     assert str(fp) == "rank 1: peak 1.5 GiB at instruction 7 (params and batch 1.0 GiB)"
+
+
+def test_what_the_transport_holds_all_step_is_static_in_every_ranks_footprint() -> None:
+    """Copy-engine rings (engine/execution/copies.py) are allocated when the transport opens them and held until it
+    closes: each rank's replay counts its transport's `resident_bytes` with its params and batch, and in its peak."""
+    from engine.execution.footprint import footprint
+    from engine.execution.inprocess import build_steps
+
+    fn, params, x, y = _mlp()
+    plan = engine.plan(fn, params, x, y, world_size=2, schedule="1f1b", microbatches=4)
+    steps = build_steps(fn, params, (x, y), plan)
+    bare = steps[0].memory()
+    for p, fp in zip(steps[0].programs.all(), bare):
+        ringed = footprint(p, steps[0].infos, steps[0].graph, microbatches=4, resident=3 << 20)
+        assert (ringed.static - fp.static, ringed.peak - fp.peak) == (3 << 20, 3 << 20)
+        assert [h - g for h, g in zip(ringed.held, fp.held)] == [3 << 20] * len(fp.held)
+    assert steps[0].transport.resident_bytes(0) == 0  # threads of one process: no rings
