@@ -151,13 +151,13 @@ def variant(modes: list[str]) -> Iterator[Any]:
     """A row's variant, from its compiler's suffixes (`--compilers auto-room8-gated`): "fixed" / "step" the
     rebalance mode (REBALANCE), "roomN" the extra stage-microbatches a searched zero-bubble order may hold
     (engine.planning.refine.ROOMS = (N,); "room0": none), "gated" gated receives (FNPIPE_GATED_RECV=1), "copy"
-    copy-engine channels (FNPIPE_P2P=copy; both read when the transports are made, inside parallelize). Yields
-    parallelize's `rebalance`."""
+    copy-engine channels (FNPIPE_P2P=copy; both read when the transports are made, inside parallelize), "cold"
+    the stage programs timed from a cold L2 cache (FNPIPE_PROFILE_COLD=1). Yields parallelize's `rebalance`."""
     from engine.planning import refine
 
     rebalance = REBALANCE[next((m for m in modes if m in REBALANCE), "")]
     rooms = [int(m[4:]) for m in modes if m.startswith("room")]
-    switches = {"gated": ("FNPIPE_GATED_RECV", "1"), "copy": ("FNPIPE_P2P", "copy")}
+    switches = {"gated": ("FNPIPE_GATED_RECV", "1"), "copy": ("FNPIPE_P2P", "copy"), "cold": ("FNPIPE_PROFILE_COLD", "1")}
     saved_rooms = refine.ROOMS
     saved = {name: os.environ.get(name) for name, _ in switches.values()}
     try:
@@ -417,6 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(auto-step): re-split from the programs' times inside traced steps, rebalance=\"step\"; with -roomN "
                     "(auto-room2): a searched zero-bubble order holds at most N stage-microbatches more (refine.ROOMS); "
                     "with -gated: gated receives (FNPIPE_GATED_RECV=1); with -copy: copy-engine channels (FNPIPE_P2P=copy); "
+                    "with -cold: programs timed from a cold L2 cache (FNPIPE_PROFILE_COLD=1); "
                     "suffixes combine (auto-room8-gated)")
     ap.add_argument("--torch-eager", default="1f1b", help="PyTorch schedules with eager blocks")
     ap.add_argument("--torch-compiled", default="1f1b,gpipe,interleaved-1f1b",

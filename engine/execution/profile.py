@@ -13,8 +13,8 @@ gives the same programs as a traced step ran them, to set beside these (`engine.
 """
 from __future__ import annotations
 
+import os
 import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -93,7 +93,8 @@ def measure(runs: Sequence[tuple[Key, Run]], device: torch.device, *, reps: int 
     """Each program of `runs` (one stage's, already run once: compiled, kernels loaded) run again under the
     allocator's peak counter, then all of them timed in turn (`in_turn`), each named by `program_label`."""
     made = [_bytes_made(run, device) for _, run in runs]
-    seconds = in_turn([_named(program_label(key), run) for key, run in runs], Clock(device), reps)
+    seconds = in_turn([_named(program_label(key), run) for key, run in runs], Clock(device), reps,
+                      between=cold_cache(device) if cold() else None)
     return tuple(ProgramCost(*key, seconds=t, peak_bytes=b) for (key, _), t, b in zip(runs, seconds, made))
 
 
@@ -104,7 +105,23 @@ def _named(label: str, run: Run) -> Run:
     return named
 
 
-def in_turn(runs: Sequence[Run], clock: Clock, reps: int) -> list[float]:
+def cold() -> bool:
+    """FNPIPE_PROFILE_COLD=1: time each program from a cold L2 cache (`cold_cache` before it), as a step runs a
+    program whose inputs were made long before (an experiment: off by default)."""
+    return os.environ.get("FNPIPE_PROFILE_COLD", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cold_cache(device: torch.device) -> Run | None:
+    """A run that writes twice the device's L2 cache, so nothing a program read or wrote before it is left there;
+    None off CUDA."""
+    if device.type != "cuda":
+        return None
+    size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
+    scratch = torch.empty(2 * size, dtype=torch.uint8, device=device)
+    return lambda: scratch.fill_(1)
+
+
+def in_turn(runs: Sequence[Run], clock: Clock, reps: int, *, between: Run | None = None) -> list[float]:
     """Seconds of each run as a step sees them: all of them one after another (F, then the backward programs,
     as a step alternates them), `reps` + 1 rounds back to back with no sync between, a clock mark before each
     run; a run's seconds are the median over the rounds after the first of the time from its mark to the
@@ -112,14 +129,19 @@ def in_turn(runs: Sequence[Run], clock: Clock, reps: int) -> list[float]:
     device that is never left waiting by the host unless the run itself is launch-bound: a ResNet's fx
     forward (a thousand small kernels) timed alone counts its launches in full, while in a step they overlap
     the backward before it (one H200, resnet101x4 fx: programs timed alone predicted 1.16 x the step,
-    2026-11-26). The first round starts from an idle device and is left out."""
+    2026-11-26). The first round starts from an idle device and is left out. `between`: run before each run,
+    outside its time (a run is then charged from its mark to a mark right after it)."""
     clock.start()
     for _ in range(reps + 1):
         for run in runs:
+            if between is not None:
+                between()
             clock.mark()
             run()  # its outputs dropped at once, as a step drops what it no longer needs
+            if between is not None:
+                clock.mark()
     clock.mark()
-    gaps = clock.gaps()
+    gaps = clock.gaps()[::2] if between is not None else clock.gaps()  # with `between`: run, between, run, ...
     n = len(runs)
     return [statistics.median(gaps[r * n + i] for r in range(1, reps + 1)) for i in range(n)]
 

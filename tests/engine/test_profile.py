@@ -258,6 +258,38 @@ def test_each_program_is_charged_from_its_mark_to_the_next_in_turn_the_first_rou
     assert got == pytest.approx([3.0, 3.0, 1.25])
 
 
+def test_what_runs_between_programs_is_left_out_of_their_times() -> None:
+    """`in_turn(..., between=flush)`: a cold-cache flush before every program, each program charged from its mark
+    to the mark right after it, the flushes charged to nobody."""
+    from engine.execution.profile import in_turn
+
+    class Scripted:
+        def __init__(self) -> None:
+            self.t, self.marks = 0.0, []
+
+        def start(self) -> None:
+            self.marks = []
+
+        def mark(self) -> None:
+            self.marks.append(self.t)
+
+        def gaps(self) -> list[float]:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    clock = Scripted()
+    order: list[str] = []
+
+    def step(name: str, seconds: float):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            clock.t += seconds
+            order.append(name)
+        return run
+
+    got = in_turn([step("F", 2.0), step("B", 3.0)], clock, reps=2, between=step("flush", 100.0))  # type: ignore[arg-type]
+    assert order == ["flush", "F", "flush", "B"] * 3
+    assert got == pytest.approx([2.0, 3.0])
+
+
 def test_the_host_clock_times_runs_on_cpu() -> None:
     import time as time_mod
 
