@@ -77,6 +77,33 @@ def depth() -> int:
     return n
 
 
+QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS copy-engine channels need (and ask for, `reserve_queues`)
+
+
+def queues_short() -> str | None:
+    """Why the device's hardware queues are too few for copy-engine channels, or None. A stream memory wait blocks
+    the hardware queue it is on, and with CUDA's default 8 queues a rank's copy streams, NCCL's streams and its
+    compute stream share them: a receive stream waiting for a peer could hold up compute queued behind it (the
+    peer may need that compute's output). With QUEUES queues each stream of a rank has its own."""
+    text = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    try:
+        enough = text is not None and int(text) >= QUEUES
+    except ValueError:
+        enough = False
+    if enough:
+        return None
+    return (f"CUDA_DEVICE_MAX_CONNECTIONS={text} (needs {QUEUES}: a stream waiting for a peer must not share a hardware "
+            f"queue with compute); set CUDA_DEVICE_MAX_CONNECTIONS={QUEUES} before CUDA starts (engine.init sets it "
+            "when FNPIPE_P2P=copy and CUDA has not started yet)")
+
+
+def reserve_queues() -> None:
+    """With FNPIPE_P2P=copy, before CUDA starts: CUDA_DEVICE_MAX_CONNECTIONS=QUEUES, unless the user chose a value
+    (then `queues_short` judges it). CUDA reads it when its context is made."""
+    if wanted() and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not torch.cuda.is_initialized():
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(QUEUES)
+
+
 def capacity(nbytes: int) -> int:
     """A slot's bytes for messages of up to `nbytes`: rounded up to ALIGN."""
     return -(-max(nbytes, 1) // ALIGN) * ALIGN
@@ -207,23 +234,43 @@ class CopyWork:
             torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
+def words(world_size: int) -> int:
+    """Words in a rank's page: ready counts per sender, freed counts per receiver, and one `failed` word."""
+    return 2 * world_size + 1
+
+
+_STREAMS: dict[str, list[Any]] = {}  # device -> copy streams a closed transport gave back (streams are never destroyed)
+
+
+def _take_stream(driver: Driver, device: torch.device) -> Any:
+    if device.type != "cuda":
+        return None
+    free = _STREAMS.setdefault(str(device), [])
+    return free.pop() if free else driver.stream(device)
+
+
 class Copies:
     """This rank's copy-engine channels. Made in three collective steps by the transport (`DistTransport`):
-    every rank of a channel makes its page (`gates.Flags(path, 2 * world, create=True)`); receivers make their rings
-    (`rings`, exported for the senders); then everyone maps its peers' pages and opens their rings (`connect`)."""
+    every rank of a channel makes its page (`gates.Flags(path, words(world), create=True)`); receivers make their
+    rings (`rings`, exported for the senders); then everyone maps its peers' pages and opens their rings (`connect`).
+
+    A failure anywhere taints every peer: the rank that fails (a transfer past the timeout, or its transport's
+    error) writes its rank + 1 into the `failed` word of every peer's page before it opens its own counts (after
+    which its queued copies may land in a live peer's slots out of turn), and every rank's watch, and its
+    `settle` at the end of each step, read their own word: a rank never returns a step whose received data a
+    failure may have touched."""
 
     def __init__(self, rank: int, world_size: int, paths: dict[int, str], device: torch.device, driver: Driver,
                  timeout: float) -> None:
         self.rank, self.world_size, self.device, self.driver = rank, world_size, device, driver
         self.paths, self.timeout = paths, timeout
-        self.own = gating.Flags(paths[rank], 2 * world_size, create=False)
-        gating._KEEP.append(self.own)
+        self.own = gating.Flags(paths[rank], words(world_size), create=False)
         self.own.device_address = driver.register(self.own.address, self.own.size)
         self.pages: dict[int, gating.Flags] = {}
         self.incoming: dict[int, Incoming] = {}
         self.outgoing: dict[int, Outgoing] = {}
         self.failure: str | None = None
-        self.late_peer = -1  # the peer of the transfer that failed the transport
+        self.late_peer: int | None = None  # the peer a failure names (None: no one peer)
         self.works: collections.deque[CopyWork] = collections.deque()
         self.lock = threading.Lock()
         self.closing = threading.Event()
@@ -232,11 +279,13 @@ class Copies:
     # -- setting up --------------------------------------------------------------------------------------
     def rings(self, capacities: dict[int, int], slots: int) -> dict[str, list[Any]]:
         """A ring per incoming peer (`capacities[peer]`: its slot's bytes), exported: {peer: [handle, offset,
-        capacity, depth]} (JSON keys are strings)."""
+        capacity, depth]} (JSON keys are strings). The ring's memory may have been a compute tensor's a moment
+        ago: the gather that publishes the handles copies to the host after this rank's compute stream, so no
+        earlier kernel still uses it when a sender's first copy lands."""
         out: dict[str, list[Any]] = {}
         for peer, size in sorted(capacities.items()):
             size = capacity(size)
-            stream = self.driver.stream(self.device) if self.device.type == "cuda" else None
+            stream = _take_stream(self.driver, self.device)
             ring = torch.empty(slots * size, dtype=torch.uint8, device=self.device)
             self.incoming[peer] = Incoming(peer, stream, ring, slots, size)
             handle, offset = self.driver.export(ring.data_ptr())
@@ -249,12 +298,11 @@ class Copies:
         for receiver, rings in enumerate(exported):
             if str(self.rank) in rings:
                 handle, offset, size, slots = rings[str(self.rank)]
-                stream = self.driver.stream(self.device) if self.device.type == "cuda" else None
+                stream = _take_stream(self.driver, self.device)
                 base = self.driver.open(handle)
                 self.outgoing[receiver] = Outgoing(receiver, stream, base + offset, base, slots, size)
         for peer in sorted({*self.incoming, *self.outgoing}):
-            page = gating.Flags(self.paths[peer], 2 * self.world_size, create=False)
-            gating._KEEP.append(page)
+            page = gating.Flags(self.paths[peer], words(self.world_size), create=False)
             page.device_address = self.driver.register(page.address, page.size)
             self.pages[peer] = page
         self.watch = threading.Thread(target=self._watch, name=f"fnpipe-copies-{self.rank}", daemon=True)
@@ -274,7 +322,7 @@ class Copies:
         stream = end.stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            t.record_stream(stream)
+            t.record_stream(stream)  # its memory is not reused before the copy has read it
         if n > end.depth:  # the slot holds message n - depth until the receiver has copied it out
             self.driver.wait(stream, self.own.device_address + (self.world_size + peer) * gating.SLOT, n - end.depth)
         slot = end.remote + ((n - 1) % end.depth) * end.capacity
@@ -285,7 +333,8 @@ class Copies:
     def receive(self, peer: int, t: torch.Tensor, *, pooled: bool) -> CopyWork:
         """Queue the copy of `peer`'s next message into `t`. `pooled`: `t` was made inside `receiving(peer)` (the
         receive stream's pool); else the copy also waits for the compute stream to reach this point (`t` may reuse
-        memory a queued compute kernel still reads)."""
+        memory a queued compute kernel still reads), and `t` is recorded on the receive stream (its memory is
+        not reused before the copy has written it, even if it is dropped unread)."""
         end = self.incoming[peer]
         end.received += 1
         n = end.received
@@ -296,6 +345,7 @@ class Copies:
                 t.record_stream(compute)  # compute reads it: its memory waits for that before reuse
             else:
                 stream.wait_stream(compute)
+                t.record_stream(stream)
         self.driver.wait(stream, self.own.device_address + peer * gating.SLOT, n)
         self.driver.copy(stream, t.data_ptr(), end.slot(n), t.numel() * t.element_size())
         self.driver.write(stream, self.pages[peer].device_address + (self.world_size + self.rank) * gating.SLOT, n)
@@ -316,19 +366,33 @@ class Copies:
             self.works.append(work)
         return work
 
-    # -- bounds and the end --------------------------------------------------------------------------------
+    # -- bounds, failures and the end ----------------------------------------------------------------------
+    def tainted(self) -> int | None:
+        """The rank whose failure reached this rank's page (its `failed` word), or None."""
+        value = self.own.read(2 * self.world_size)
+        return value - 1 if value else None
+
     def check(self) -> None:
-        """Sweep finished transfers; a transfer not done `timeout` s after it was posted fails the transport."""
+        """Sweep finished transfers; fail the transport if a peer's failure reached this rank's page or a transfer
+        is not done `timeout` s after it was posted."""
         with self.lock:
             while self.works and self.works[0].is_completed():
                 self.works.popleft()
             late = next((w for w in self.works if time.monotonic() - w.posted > self.timeout
                          and not w.is_completed()), None)
-        if late is not None and self.failure is None:
-            self.failure = (f"{late.what} (copy engine) not done {time.monotonic() - late.posted:.1f} s after it was "
-                            "posted")
-            self.late_peer = late.peer
-            self.release()
+        who = self.tainted()
+        if who is not None and who != self.rank:
+            self.fail(f"rank {who}'s copy-engine transfers failed, so what it sent or freed here is not to be "
+                      "trusted", who)
+        elif late is not None:
+            self.fail(f"{late.what} (copy engine) not done {time.monotonic() - late.posted:.1f} s after it was posted",
+                      late.peer)
+
+    def fail(self, why: str, peer: int | None) -> None:
+        """Mark this transport failed (the first reason stays), taint every peer and open this rank's counts."""
+        if self.failure is None:
+            self.failure, self.late_peer = why, peer
+        self.release()
 
     def _watch(self) -> None:
         if self.device.type == "cuda":
@@ -337,33 +401,55 @@ class Copies:
             try:
                 self.check()
             except Exception as exc:  # noqa: BLE001 -- a broken context: say so at the next call
-                self.failure = self.failure or f"watching the copy-engine transfers: {type(exc).__name__}: {exc}"
-                self.late_peer = -1
+                self.fail(f"watching the copy-engine transfers: {type(exc).__name__}: {exc}", None)
                 return
 
     def release(self) -> None:
-        """Open every count this rank waits on, from the host: each past every wait queued on it (a peer that is
-        gone leaves no stream waiting). The received data is garbage then; the transport raises first."""
+        """Taint every peer (its `failed` word), then open every count this rank waits on, from the host: each past
+        every wait queued on it, so no stream waits for a peer that is gone. What arrives after is garbage; every
+        rank it can reach raises (`check`, `settle`)."""
+        for page in self.pages.values():
+            if not page.read(2 * self.world_size):
+                page.set(2 * self.world_size, self.rank + 1)
         for peer, end in self.incoming.items():
             self.own.set(peer, (end.received + gating.PAST) & 0xFFFFFFFF)
         for peer, end in self.outgoing.items():
             self.own.set(self.world_size + peer, (end.sent + gating.PAST) & 0xFFFFFFFF)
 
+    def settle(self) -> str | None:
+        """At the end of a step: wait for every transfer posted so far (bounded: the watch fails a transfer past
+        the timeout and opens the counts, which ends the wait), then the reason this rank's data may be wrong,
+        if any. The host waits for the GPU here, where a step over NCCL need not: the price of never returning
+        numbers a failure may have touched."""
+        for end in (*self.incoming.values(), *self.outgoing.values()):
+            if end.stream is not None:
+                end.stream.synchronize()
+        self.check()
+        return self.failure
+
     def close(self) -> None:
-        """Wait (at most `timeout` s) for the transfers still queued, stop the watch, then close the peers' rings
-        and give this rank's back. A transport that failed keeps them (a peer's copy may still be landing), as
-        `_KEEP`."""
+        """Wait (at most `timeout` s) for the transfers still queued, stop the watch, then close the peers' rings,
+        give this rank's back, unmap the pages and keep the streams for the next transport. A transport that
+        failed keeps it all (a peer's copy may still be landing), as `_KEEP`."""
         deadline = time.monotonic() + self.timeout
-        while self.failure is None and not all(w.is_completed() for w in self.works) and time.monotonic() < deadline:
+        while self.failure is None and not self._idle() and time.monotonic() < deadline:
             time.sleep(0.001)
         self.closing.set()
         if self.watch is not None:
             self.watch.join(timeout=5.0)
-        clean = self.failure is None and all(w.is_completed() for w in self.works)
-        if not clean:
+        if self.failure is not None or not self._idle():
             self.release()
-            _KEEP.append((self.incoming, self.outgoing))
+            _KEEP.append((self.incoming, self.outgoing, self.own, self.pages))
             return
         for end in self.outgoing.values():
             self.driver.close(end.base)
-        self.incoming, self.outgoing = {}, {}
+        for end in (*self.incoming.values(), *self.outgoing.values()):
+            if end.stream is not None:
+                _STREAMS.setdefault(str(self.device), []).append(end.stream)
+        for page in (self.own, *self.pages.values()):
+            self.driver.unregister(page.address)
+        self.incoming, self.outgoing, self.pages = {}, {}, {}
+
+    def _idle(self) -> bool:
+        with self.lock:
+            return all(w.is_completed() for w in self.works)

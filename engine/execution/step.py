@@ -243,6 +243,7 @@ class Step:
                for i, c in enumerate(chunks)]
         mine_w = None if weights is None else weights[self.replica * m:(self.replica + 1) * m]  # this dp replica's
         loss, grads = self.executor.run(local, mbs, mine_w)
+        self.transport.settle("finishing the step")  # copy-engine channels: no loss a failure may have touched
         for pid in self.unused:
             if pid in local and pid not in grads:
                 grads[pid] = torch.zeros_like(local[pid])
@@ -269,7 +270,9 @@ class Step:
         if key not in self.evaluators:
             self.evaluators[key] = Evaluator(self, forward, params, inputs)
             self.evaluators[key].verify()
-        return self.evaluators[key](params, inputs, gather)
+        out = self.evaluators[key](params, inputs, gather)
+        self.transport.settle("finishing evaluate")
+        return out
 
     def gather(self, tree: Any) -> Any:
         """The full tree on rank 0 (each leaf from the first replica's rank that holds it); None elsewhere."""

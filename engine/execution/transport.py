@@ -40,6 +40,7 @@ class Transport(Protocol):
     def receiving(self, peer: int) -> contextlib.AbstractContextManager[None]: ...
     def prepare(self, receives: dict[int, int]) -> None: ...
     def resident_bytes(self, rank: int) -> int: ...
+    def settle(self, what: str) -> None: ...
     def wait(self, handle: Any, what: str) -> None: ...
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...]) -> None: ...
     def all_gather_json(self, obj: Any) -> list[Any]: ...
@@ -111,6 +112,7 @@ class DistTransport:
         _OPEN.add(self)
         self.gates: gating.Gates | None = None
         self.copies: copying.Copies | None = None
+        self.prepared = False  # `prepare` ran (it is collective only the first time, on every rank alike)
         self.rings: dict[int, int] = {}  # world rank -> bytes of its copy-engine rings (held while the transport is)
         self._connect(self.device)
         self.gates = self._open_gates()
@@ -181,26 +183,40 @@ class DistTransport:
     def prepare(self, receives: dict[int, int]) -> None:
         """Open copy-engine channels (`copies`, FNPIPE_P2P=copy) for a step whose largest message from each peer
         is `receives[peer]` bytes, once per transport. Collective: every rank calls it (a Step does, when made)."""
-        if self.copies is None:
+        if not self.prepared:
+            self.prepared = True
             self.copies = self._open_copies(receives)
 
     def resident_bytes(self, rank: int) -> int:
-        """Device bytes the transport holds on `rank` for as long as it is open: its copy-engine rings."""
-        return self.rings.get(rank, 0) if self.copies is not None else 0
+        """Device bytes the transport holds on `rank` for as long as it is open: its copy-engine rings (every rank
+        knows every rank's, from the gather that opened them)."""
+        return self.rings.get(rank, 0)
+
+    def settle(self, what: str) -> None:
+        """At the end of a step: with copy-engine channels, wait for this rank's transfers and raise if a failure
+        (here or at a peer) may have touched what it received (`copies.Copies.settle`)."""
+        if self.copies is not None and self.copies.settle() is not None:
+            self._copies_alive(what)
 
     def _open_copies(self, receives: dict[int, int], driver: copying.Driver | None = None) -> copying.Copies | None:
         """Copy-engine rings on the channels whose two ends share a host and ask for them, and whose receiver
         receives something. Collective: four small all-gathers; a rank's failure in any step leaves every
         channel on NCCL (a warning says why)."""
-        asks = copying.asks(self.nccl, self.device)
-        if asks and not gating.usable():
-            log.warning("rank %d: FNPIPE_P2P=copy but CUDA_DEVICE_MAX_CONNECTIONS=%s (below 4): a waiting copy stream "
-                        "could hold up compute on a shared hardware queue; transfers stay on NCCL", self.rank,
-                        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        try:  # a bad setting on one rank is every rank's error, after the gather (not a peer's timeout)
+            asks, error = copying.asks(self.nccl, self.device), None
+            slots = copying.depth() if asks else 0
+        except PlanError as exc:
+            asks, slots, error = False, 0, f"rank {self.rank}: {exc}"
+        short = copying.queues_short() if asks else None
+        if short:
+            log.warning("rank %d: FNPIPE_P2P=copy but %s; transfers stay on NCCL", self.rank, short)
             asks = False
-        slots = copying.depth() if asks else 0
         everyone = self.all_gather_json({"host": socket.gethostname(), "asks": asks, "token": uuid.uuid4().hex,
-                                         "slots": slots, "receives": {str(p): n for p, n in receives.items()}})
+                                         "slots": slots, "receives": {str(p): n for p, n in receives.items()},
+                                         "error": error})
+        errors = [e["error"] for e in everyone if e["error"]]
+        if errors:
+            raise PlanError("; ".join(errors))
 
         def near(a: int, b: int) -> bool:
             return everyone[a]["asks"] and everyone[b]["asks"] and everyone[a]["host"] == everyone[b]["host"] \
@@ -214,7 +230,7 @@ class DistTransport:
         mine = paths.get(self.rank)
         made: copying.Copies | None = None
         try:
-            if self._gate_step(lambda: gating.Flags(mine, 2 * self.world_size, create=True) if mine else None,
+            if self._gate_step(lambda: gating.Flags(mine, copying.words(self.world_size), create=True) if mine else None,
                                "making its count page", off) is None:
                 return None
 
@@ -272,10 +288,12 @@ class DistTransport:
         self._copies_alive("posting transfers")
         for op, peer, t in ops:
             where = f"{op} {'to' if op == 'send' else 'from'} rank {peer}"
+            if copies is not None and copies.carries(op, peer, t):  # a driver error here is this rank's own
+                work = copies.send(peer, t) if op == "send" else copies.receive(peer, t, pooled=pooled)
+                works.append(_DistWork(work, where, (peer,)))
+                continue
             try:  # gloo raises here at once when the peer's socket is already gone
-                if copies is not None and copies.carries(op, peer, t):
-                    work = copies.send(peer, t) if op == "send" else copies.receive(peer, t, pooled=pooled)
-                elif op == "send":
+                if op == "send":
                     work = dist.isend(t, peer, group=self.channels[(self.rank, peer)])
                     if gates is not None and peer in gates.sent:
                         gates.sent_one(peer)
@@ -294,8 +312,9 @@ class DistTransport:
         """Raise if the copy-engine channels' watch found a transfer past the timeout (`copies.Copies.check`)."""
         copies = self.copies
         if copies is not None and copies.failure is not None:
-            raise self._failure(what, RuntimeError(f"timed out: {copies.failure}"), (copies.late_peer,),
-                                copies.timeout)
+            peers = () if copies.late_peer is None else (copies.late_peer,)
+            error = self._failure(what, RuntimeError("timed out"), peers, copies.timeout)
+            raise CommTimeoutError(f"{error} The copy-engine channels' watch: {copies.failure}.")
 
     def wait(self, handle: Any, what: str) -> None:
         if handle is None:
@@ -406,7 +425,7 @@ def failure_message(rank: int, what: str, peers: Sequence[int], *, waited: float
                     timed_out: bool) -> str:
     """`rank 0: receiving b4 (recv from rank 1) failed after 10.0 s (timeout 10 s): rank 1 died or hangs; ...`"""
     who, logs = (f"rank {peers[0]}", "check its log") if len(peers) == 1 else \
-        (f"one of ranks {list(peers)}", "check their logs")
+        (f"one of ranks {list(peers)}", "check their logs") if peers else ("a peer", "check the other ranks' logs")
     why = ("no answer within the timeout: it hangs, is stuck in a slower step, or waits for something else"
            if timed_out else "the connection closed: it exited, crashed or was killed, e.g. out of memory")
     return (f"rank {rank}: {what} failed after {waited:.1f} s (timeout {timeout:g} s): {who} died or hangs; "
@@ -598,6 +617,9 @@ class LocalTransport:
 
     def resident_bytes(self, rank: int) -> int:
         return 0
+
+    def settle(self, what: str) -> None:
+        pass  # the hub's transfers are done when their waits return
 
     def wait(self, handle: Any, what: str) -> None:
         self.hub.block(self.rank, f"{handle.what} ({what})", lambda: handle.done)

@@ -19,6 +19,12 @@ from engine.execution import copies, gates
 from engine.execution.transport import DistTransport, Hub, LocalTransport
 
 
+@pytest.fixture(autouse=True)
+def queues(monkeypatch):
+    """Copy-engine channels need their hardware queues (`copies.queues_short`); engine.init asks for them."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", str(copies.QUEUES))
+
+
 class HostDriver:
     def __init__(self) -> None:
         self.waits: list[tuple[int, int, bool]] = []  # (value asked for, flag then, passed)
@@ -58,7 +64,7 @@ def pair(depth: int = 2, size: int = 64, timeout: float = 30.0):
 
     token = uuid.uuid4().hex
     paths = {r: f"/dev/shm/fnpipe-copies-test-{token}-{r}" for r in range(2)}
-    pages = [gates.Flags(p, 4, create=True) for p in paths.values()]
+    pages = [gates.Flags(p, copies.words(2), create=True) for p in paths.values()]
     drivers = [HostDriver(), HostDriver()]
     ends = [copies.Copies(r, 2, paths, torch.device("cpu"), drivers[r], timeout) for r in range(2)]
     exported = [ends[r].rings({1 - r: size}, depth) for r in range(2)]
@@ -195,7 +201,7 @@ def shells(world: int, channels: list[tuple[int, int]], hub: Hub) -> list[DistTr
         local = LocalTransport(hub, r)
         t.rank, t.world_size, t.timeout, t.nccl, t.device = r, world, 30.0, True, torch.device("cpu")
         t.channels = {c: None for c in channels}
-        t.gates, t.copies = None, None
+        t.gates, t.copies, t.prepared, t.rings = None, None, False, {}
         t.all_gather_json = local.all_gather_json
         out.append(t)
     return out
@@ -235,7 +241,7 @@ def test_the_transport_opens_rings_where_both_ends_ask_and_routes_each_message_b
     assert [ts[0].resident_bytes(r) for r in range(3)] == [0, 2 * slot, slot]  # every rank knows every rank's
     x = torch.arange(8, dtype=torch.float32)
     (sent,) = ts[0].post([("send", 1, x)])
-    assert isinstance(sent.work, copies.CopyWork) and sent.is_completed()
+    assert isinstance(sent.work, copies.CopyWork) and made[0].outgoing[1].sent == 1
     got = torch.empty(8)
     (h,) = ts[1].post([("recv", 0, got)], pooled=True)
     ts[1].wait(h, "receiving")
@@ -280,3 +286,113 @@ def test_a_failed_transport_raises_at_its_next_call_naming_the_peer(monkeypatch)
         ts[1].post([("recv", 0, torch.empty(1))])
     for m in made:
         m.close()
+
+
+def test_a_failure_taints_every_peer_and_each_step_end_raises_on_the_ranks_it_reached():
+    """Rank 0 fails (a transfer past its timeout): before it opens its counts (after which its queued copies may
+    land in rank 1's slots out of turn) it writes its rank into rank 1's page; rank 1's watch and the end of its
+    step both see it, so rank 1 never returns a step on data rank 0 may have touched."""
+    (a, b), _ = pair()
+    assert b.tainted() is None and b.settle() is None
+    a.fail("send 3 to rank 1 (copy engine) not done 8.0 s after it was posted", 1)
+    assert a.failure.startswith("send 3") and a.late_peer == 1
+    assert b.tainted() == 0
+    reason = b.settle()
+    assert reason is not None and "rank 0's copy-engine transfers failed" in reason and b.late_peer == 0
+    assert gates.after(b.own.read(0), 1)  # rank 1 opened its own counts in turn
+    a.close()
+    b.close()
+
+
+def test_the_end_of_a_step_raises_where_the_copy_engine_channels_failed(monkeypatch):
+    monkeypatch.setattr(copies, "asks", lambda nccl, device: True)
+    ts = shells(2, [(0, 1), (1, 0)], Hub(2, 30.0))
+    made = run_ranks(lambda r: ts[r]._open_copies({1 - r: 64}, driver=HostDriver()), 2)
+    for r, m in enumerate(made):
+        ts[r].copies = m
+    ts[0].settle("finishing the step")  # nothing failed: nothing raised
+    made[1].fail("receive 1 from rank 0 (copy engine) not done 30.0 s after it was posted", 0)
+    with pytest.raises(CommTimeoutError, match="rank 0: finishing the step failed .* rank 1's copy-engine"):
+        ts[0].settle("finishing the step")
+    for m in made:
+        m.close()
+
+
+def test_prepare_is_collective_once_and_every_rank_knows_every_ranks_rings(monkeypatch):
+    """Rank 2 does not ask, so it opens nothing; a second Step on the same transports calls `prepare` again, and
+    no rank gathers a second time (a rank left without rings must not wait for the others). Every rank reports
+    the same rings for every rank, whatever it opened itself."""
+    monkeypatch.setattr(copies, "asks", lambda nccl, device: threading.current_thread().name != "rank 2")
+    monkeypatch.setattr(copies, "CudaDriver", HostDriver)
+    monkeypatch.delenv("FNPIPE_COPY_SLOTS", raising=False)
+    ts = shells(3, [(0, 1), (1, 2)], Hub(3, 2.0))
+    receives = [{}, {0: 64}, {1: 64}]
+    run_ranks(lambda r: ts[r].prepare(receives[r]), 3)
+    assert ts[2].copies is None and ts[1].copies is not None
+    for t in ts:  # one after another: a gather here would time out (the hub's 2 s)
+        t.prepare({0: 1 << 20})
+    ring = copies.ALIGN * copies.DEPTH
+    assert [[t.resident_bytes(r) for r in range(3)] for t in ts] == [[0, ring, 0]] * 3
+    for t in ts:
+        if t.copies is not None:
+            t.copies.close()
+
+
+def test_a_bad_setting_on_one_rank_is_every_ranks_error_not_a_timeout(monkeypatch):
+    monkeypatch.setattr(copies, "asks", lambda nccl, device: True)
+
+    def depth() -> int:
+        if threading.current_thread().name == "rank 1":
+            raise PlanError("FNPIPE_COPY_SLOTS='0': give the slots per copy-engine ring, a whole number >= 1")
+        return 2
+
+    monkeypatch.setattr(copies, "depth", depth)
+    ts = shells(2, [(0, 1), (1, 0)], Hub(2, 30.0))
+    seen: list[str] = []
+
+    def one(r: int) -> None:
+        try:
+            ts[r]._open_copies({1 - r: 64}, driver=HostDriver())
+        except PlanError as exc:
+            seen.append(f"{r}: {exc}")
+
+    run_ranks(one, 2)
+    assert sorted(x[:2] for x in seen) == ["0:", "1:"] and all("rank 1: FNPIPE_COPY_SLOTS='0'" in x for x in seen)
+
+
+@pytest.mark.parametrize("value,short", [(None, True), ("8", True), ("x", True), ("32", False), ("64", False)])
+def test_copy_engine_channels_need_a_hardware_queue_per_stream(monkeypatch, value, short):
+    if value is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+    found = copies.queues_short()
+    assert (found is not None) is short
+    if short:
+        assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in found
+
+
+def test_engine_init_reserves_the_queues_only_when_asked_and_before_cuda(monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.delenv("FNPIPE_P2P", raising=False)
+    copies.reserve_queues()
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in __import__("os").environ
+    monkeypatch.setenv("FNPIPE_P2P", "copy")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    copies.reserve_queues()
+    assert __import__("os").environ["CUDA_DEVICE_MAX_CONNECTIONS"] == str(copies.QUEUES)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "12")  # the user's choice stays (and is judged short)
+    copies.reserve_queues()
+    assert __import__("os").environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "12"
+
+
+def test_close_while_the_watch_sweeps_keeps_the_transport_whole():
+    """The watch pops finished transfers under the lock while `close` looks at them: many rounds, no error."""
+    for _ in range(20):
+        (a, b), _ = pair(timeout=0.01)
+        for k in range(50):
+            a.send(1, torch.full((2,), float(k)))
+            b.receive(0, torch.empty(2), pooled=True)
+        a.close()
+        b.close()
+        assert a.failure is None and b.failure is None and not a.outgoing and not b.incoming

@@ -81,3 +81,5 @@ def test_what_the_transport_holds_all_step_is_static_in_every_ranks_footprint() 
         assert (ringed.static - fp.static, ringed.peak - fp.peak) == (3 << 20, 3 << 20)
         assert [h - g for h, g in zip(ringed.held, fp.held)] == [3 << 20] * len(fp.held)
     assert steps[0].transport.resident_bytes(0) == 0  # threads of one process: no rings
+    steps[0].transport.resident_bytes = lambda rank: 5 << 20 if rank == 1 else 0  # as a transport with rings says
+    assert [f.peak - g.peak for f, g in zip(steps[0].memory(), bare)] == [0, 5 << 20]
