@@ -224,6 +224,22 @@ def test_parallelize_refuses_a_bad_fnpipe_compile_wait_before_planning(monkeypat
         engine.parallelize(fn, params, x, y, schedule="1f1b", microbatches=4)
 
 
+class ScriptedClock:
+    """`in_turn`'s clock on a time the test moves by hand: each mark reads `t`."""
+
+    def __init__(self) -> None:
+        self.t, self.marks = 0.0, []
+
+    def start(self) -> None:
+        self.marks = []
+
+    def mark(self) -> None:
+        self.marks.append(self.t)
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
 def test_each_program_is_charged_from_its_mark_to_the_next_in_turn_the_first_round_left_out() -> None:
     """`in_turn` on a scripted clock: three programs run in turn for 1 + 2 rounds; each is charged the median of
     its gaps in rounds 2 and 3 (round 1 starts from an idle device), in run order, every run run each round."""
@@ -231,20 +247,7 @@ def test_each_program_is_charged_from_its_mark_to_the_next_in_turn_the_first_rou
 
     calls: list[str] = []
 
-    class Scripted:
-        def __init__(self) -> None:
-            self.t, self.marks = 0.0, []
-
-        def start(self) -> None:
-            self.marks = []
-
-        def mark(self) -> None:
-            self.marks.append(self.t)
-
-        def gaps(self) -> list[float]:
-            return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-    clock = Scripted()
+    clock = ScriptedClock()
     cost = {"F": [9.0, 2.0, 4.0], "B": [9.0, 3.0, 3.0], "W": [9.0, 1.0, 1.5]}  # per round: the first is cold
 
     def program(name: str):  # type: ignore[no-untyped-def]
@@ -263,20 +266,7 @@ def test_what_runs_between_programs_is_left_out_of_their_times() -> None:
     to the mark right after it, the flushes charged to nobody."""
     from engine.execution.profile import in_turn
 
-    class Scripted:
-        def __init__(self) -> None:
-            self.t, self.marks = 0.0, []
-
-        def start(self) -> None:
-            self.marks = []
-
-        def mark(self) -> None:
-            self.marks.append(self.t)
-
-        def gaps(self) -> list[float]:
-            return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-    clock = Scripted()
+    clock = ScriptedClock()
     order: list[str] = []
 
     def step(name: str, seconds: float):  # type: ignore[no-untyped-def]
