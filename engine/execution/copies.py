@@ -77,31 +77,12 @@ def depth() -> int:
     return n
 
 
-QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS copy-engine channels need (and ask for, `reserve_queues`)
-
-
-def queues_short() -> str | None:
-    """Why the device's hardware queues are too few for copy-engine channels, or None. A stream memory wait blocks
-    the hardware queue it is on, and with CUDA's default 8 queues a rank's copy streams, NCCL's streams and its
-    compute stream share them: a receive stream waiting for a peer could hold up compute queued behind it (the
-    peer may need that compute's output). With QUEUES queues each stream of a rank has its own."""
-    text = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    try:
-        enough = text is not None and int(text) >= QUEUES
-    except ValueError:
-        enough = False
-    if enough:
-        return None
-    return (f"CUDA_DEVICE_MAX_CONNECTIONS={text} (needs {QUEUES}: a stream waiting for a peer must not share a hardware "
-            f"queue with compute); set CUDA_DEVICE_MAX_CONNECTIONS={QUEUES} before CUDA starts (engine.init sets it "
-            "when FNPIPE_P2P=copy and CUDA has not started yet)")
-
-
 def reserve_queues() -> None:
-    """With FNPIPE_P2P=copy, before CUDA starts: CUDA_DEVICE_MAX_CONNECTIONS=QUEUES, unless the user chose a value
-    (then `queues_short` judges it). CUDA reads it when its context is made."""
-    if wanted() and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not torch.cuda.is_initialized():
-        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(QUEUES)
+    """With FNPIPE_P2P=copy or FNPIPE_GATED_RECV=1, before CUDA starts: CUDA_DEVICE_MAX_CONNECTIONS=gates.QUEUES,
+    unless the user chose a value (then `gates.queues_short` judges it). CUDA reads it when its context is made."""
+    if (wanted() or gating.wanted()) and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ \
+            and not torch.cuda.is_initialized():
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(gating.QUEUES)
 
 
 def capacity(nbytes: int) -> int:

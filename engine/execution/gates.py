@@ -48,13 +48,30 @@ def wanted() -> bool:
     return os.environ.get("FNPIPE_GATED_RECV", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def usable() -> bool:
-    """Whether the device's hardware queues leave room for a stream that waits: with CUDA_DEVICE_MAX_CONNECTIONS
-    below 4, streams share queues and a waiting gate could hold up compute behind it (a deadlock across ranks)."""
+QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS that streams waiting on the GPU need (gates, copy-engine channels)
+
+
+def queues_short() -> str | None:
+    """Why the device's hardware queues are too few for streams that wait on the GPU, or None. A stream memory wait
+    blocks the hardware queue it is on, and with CUDA's default 8 queues a rank's waiting streams, NCCL's streams
+    and its compute stream share them: a stream waiting for a peer could hold up compute queued behind it (and
+    the peer may need that compute's output: a deadlock across ranks until a timeout). With QUEUES each stream of
+    a rank has its own. `engine.init` asks for them (`reserve_queues`)."""
+    text = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     try:
-        return int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")) >= 4
+        enough = text is not None and int(text) >= QUEUES
     except ValueError:
-        return False
+        enough = False
+    if enough:
+        return None
+    return (f"CUDA_DEVICE_MAX_CONNECTIONS={text} (needs {QUEUES}: a stream waiting for a peer must not share a hardware "
+            f"queue with compute); set CUDA_DEVICE_MAX_CONNECTIONS={QUEUES} before CUDA starts (engine.init sets it "
+            "when asked for gated receives or copy-engine channels and CUDA has not started yet)")
+
+
+def usable() -> bool:
+    """Whether the device's hardware queues leave a stream that waits a queue of its own (`queues_short`)."""
+    return queues_short() is None
 
 
 def after(flag: int, value: int) -> bool:

@@ -131,10 +131,9 @@ class DistTransport:
         Collective: three small all-gathers (who asks, flag pages made, pages mapped), and if any rank of a
         gated channel fails a step of it, no channel is gated anywhere (a warning says why)."""
         asks = self.nccl and self.device.type == "cuda" and gating.wanted()
-        if asks and not gating.usable():
-            log.warning("rank %d: FNPIPE_GATED_RECV=1 but CUDA_DEVICE_MAX_CONNECTIONS=%s (below 4): a waiting gate could "
-                        "hold up compute on a shared hardware queue; receives are not gated", self.rank,
-                        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        short = gating.queues_short() if asks else None
+        if short:
+            log.warning("rank %d: FNPIPE_GATED_RECV=1 but %s; receives are not gated", self.rank, short)
             asks = False
         everyone = self.all_gather_json({"host": socket.gethostname(), "asks": asks, "token": uuid.uuid4().hex})
 
@@ -207,7 +206,7 @@ class DistTransport:
             slots = copying.depth() if asks else 0
         except PlanError as exc:
             asks, slots, error = False, 0, f"rank {self.rank}: {exc}"
-        short = copying.queues_short() if asks else None
+        short = gating.queues_short() if asks else None
         if short:
             log.warning("rank %d: FNPIPE_P2P=copy but %s; transfers stay on NCCL", self.rank, short)
             asks = False

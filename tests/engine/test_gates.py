@@ -119,10 +119,11 @@ def test_a_page_cannot_be_made_twice(paths):
 @pytest.mark.parametrize("name,value,expected", [
     ("FNPIPE_GATED_RECV", None, False), ("FNPIPE_GATED_RECV", "1", True), ("FNPIPE_GATED_RECV", "on", True),
     ("FNPIPE_GATED_RECV", "0", False), ("FNPIPE_GATED_RECV", "off", False),
-    # gating needs room in the hardware queues
-    ("CUDA_DEVICE_MAX_CONNECTIONS", None, True), ("CUDA_DEVICE_MAX_CONNECTIONS", "8", True),
-    ("CUDA_DEVICE_MAX_CONNECTIONS", "4", True), ("CUDA_DEVICE_MAX_CONNECTIONS", "1", False),
-    ("CUDA_DEVICE_MAX_CONNECTIONS", "x", False)])
+    # gating needs a hardware queue per waiting stream: 32, not CUDA's default 8
+    ("CUDA_DEVICE_MAX_CONNECTIONS", None, False), ("CUDA_DEVICE_MAX_CONNECTIONS", "8", False),
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "4", False), ("CUDA_DEVICE_MAX_CONNECTIONS", "1", False),
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "x", False), ("CUDA_DEVICE_MAX_CONNECTIONS", "32", True),
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "64", True)])
 def test_the_switches_read_the_environment(monkeypatch, name, value, expected):
     if value is None:
         monkeypatch.delenv(name, raising=False)
@@ -130,3 +131,8 @@ def test_the_switches_read_the_environment(monkeypatch, name, value, expected):
         monkeypatch.setenv(name, value)
     read = gates.wanted if name == "FNPIPE_GATED_RECV" else gates.usable
     assert read() is expected
+
+
+def test_the_queue_check_names_the_setting_that_fixes_it(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in gates.queues_short()
