@@ -225,8 +225,8 @@ def free_to_redo(e: Eqn) -> bool:
     return is_view(resolve(e.op))
 
 
-def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = recomputable
-                   ) -> tuple[set[int], set[int]]:
+def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = recomputable, *,
+                   trade: bool = False) -> tuple[set[int], set[int]]:
     """F equations to recompute in B (`rb`) and in W (`rw`) instead of saving their outputs.
 
     A value a part reads is recomputed there when a chain of at most CHAIN_DEPTH equations that `redo`
@@ -235,6 +235,10 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = 
     part computes, or a value saved for another reason), so the saved bytes only fall: `gelu(fc)` and
     its view are redone from `fc`, which the gelu's backward keeps. A value both B and W need is
     recomputed in B and handed to W, so no equation runs in both B and W.
+
+    `trade`: a saved value is also recomputed from operands that are not at hand when saving those operands
+    instead takes fewer bytes: a float32 norm's input `x.float()` is redone from the bfloat16 `x` (half its
+    bytes), which is then saved in its place.
     """
     prod, prim = g.producers(), set(g.inputs)
     rb: set[int] = set()
@@ -249,15 +253,53 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = 
                 j = prod.get(x)
                 return x in prim or x in saved or j in part or j in done  # noqa: B023
 
-            for v in _reads(g, part | remat):
+            for v in _in_order(_reads(g, part | remat), prod):
                 chain = _chain(g, prod, v, f, done, at_hand, CHAIN_DEPTH, redo)
+                if not chain and trade and v in saved:
+                    chain = _traded(g, prod, v, f, done, at_hand, redo, saved)
                 if chain:
                     remat |= chain
                     done |= chain
                     grown = True
+                    if trade:  # what the part now reads in v's place is saved from here on
+                        saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw)
         if not grown:
             break
     return rb, rw
+
+
+def _in_order(values: set[Var], prod: dict[Var, int]) -> list[Var]:
+    """`values` by their producing equation (inputs first, by name): the same order in every process (a set of
+    Vars iterates by address, and a greedy choice must be made alike on every rank)."""
+    return sorted(values, key=lambda v: (prod.get(v, -1), str(v)))
+
+
+def _traded(g: Graph, prod: dict[Var, int], v: Var, f: set[int], done: set[int], at_hand: Any, redo: Any,
+            saved: set[Var]) -> set[int] | None:
+    """F equations that recompute saved `v` from operands to save in its place, where those operands (not saved
+    already) take fewer bytes than `v`; None if no chain of at most CHAIN_DEPTH does."""
+    leaves: set[Var] = set()
+
+    def chain(x: Var, depth: int) -> set[int] | None:
+        j = prod.get(x)
+        if depth == 0 or j is None or j not in f or j in done or not redo(g.eqns[j]):
+            return None
+        out = {j}
+        for y in g.eqns[j].inputs:
+            if not isinstance(y, Var) or at_hand(y):
+                continue
+            sub = chain(y, depth - 1)
+            if sub is None:
+                leaves.add(y)  # saved instead (an F value: every operand of an F equation is one, or an input)
+            else:
+                out |= sub
+        return out
+
+    found = chain(v, CHAIN_DEPTH)
+    if found is None or any(prod.get(x) in found for x in leaves):
+        return None
+    cost = sum(x.aval.nbytes for x in leaves if x not in saved)
+    return found if cost < v.aval.nbytes else None
 
 
 def _chain(g: Graph, prod: dict[Var, int], v: Any, f: set[int], done: set[int], at_hand: Any,
@@ -287,7 +329,7 @@ def _recompute_all(g: Graph, f: set[int], b: set[int], w: set[int]) -> tuple[set
 # recompute level -> (F equations redone in B, redone in W)
 RECOMPUTE: dict[Any, Any] = {
     False: lambda g, f, b, w: _rematerialize(g, f, b, w, free_to_redo),  # views only: eager autograd's kernels
-    "cheap": _rematerialize,                                               # norms, copies, pointwise chains
+    "cheap": lambda g, f, b, w: _rematerialize(g, f, b, w, trade=True),   # norms, copies, pointwise chains
     True: _recompute_all,                                                  # the whole forward
 }
 

@@ -304,7 +304,7 @@ def largest_receives(program: Program, layouts: Callable[[Any], Any]) -> dict[in
     for ins in program.instrs:
         for c in ins.comm:
             if c.op == "recv":
-                out[c.peer] = max(out.get(c.peer, 0), *(m.nbytes for m in layouts(c).messages))
+                out[c.peer] = max([out.get(c.peer, 0), *(m.nbytes for m in layouts(c).messages)])
     return out
 
 
