@@ -215,3 +215,49 @@ def test_a_fusing_compiler_takes_the_cheap_level_everywhere() -> None:
     assert all(a < b for a, b in zip(fused.rank_memory, roomy.rank_memory)), (fused.rank_memory, roomy.rank_memory)
     assert "cheap recomputation (norms, pointwise) on stages [0, 1, 2, 3]" in str(fused)
     assert plan(fn, params, *batch, fused_recompute=True, recompute=False, **PLAN_KW).remat == (False,) * 4
+
+
+def _wide_norm_loss(params, x, y):
+    """A net whose norms run in float64 on float32 activations (a Llama's float32 RMSNorm on bfloat16, in small)."""
+    h = x
+    for w, g in zip(params["w"], params["g"]):
+        wide = h.double()
+        normed = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).float() * g
+        h = h + torch.tanh(normed @ w)
+    return ((h - y) ** 2).mean()
+
+
+def test_trading_saved_values_for_narrower_ones_keeps_torch_func_grads() -> None:
+    """"cheap" may save a narrower operand and redo what it made (`_traded`): the grads stay torch.func.grad's."""
+    torch.manual_seed(0)
+    params = {"w": [torch.randn(16, 16) / 4 for _ in range(3)], "g": [torch.rand(16) + 0.5 for _ in range(3)]}
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    graph = ir.trace(_wide_norm_loss, params, x[:2], y[:2])
+    p = _hand_plan(graph, "1f1b", ("cheap",), m=4)
+    steps = build_steps(_wide_norm_loss, params, (x, y), p)
+    (plain,) = stage_programs(graph, (), (False,), device="cpu")
+    assert steps[0].infos[0].ad.saved_bytes() < plain.ad.saved_bytes()
+    result = run_steps(steps, params, (x, y))
+    loss, ref = torch.func.grad_and_value(_wide_norm_loss)(params, x, y)[::-1]
+    assert torch.allclose(result.loss, loss, rtol=1e-6, atol=0)
+    for got, want in zip(pytree.tree_leaves(result.grads), pytree.tree_leaves(ref)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (got - want).abs().max()
+
+
+def test_the_cheap_level_saves_a_norms_bfloat16_input_rather_than_its_float32_copy() -> None:
+    """The Llama's RMSNorm computes in float32 on bfloat16 activations: "cheap" redoes `x.float()` in the backward
+    from the bfloat16 `x`, saved in its place (half the bytes), so no float32 activation is saved (2 x H100,
+    2026-11-26: 32 MiB a norm a microbatch, 1.1 GiB of rank 0's 6.0 GiB at p = 2)."""
+    from benchmarks.families import family
+
+    fam = family("llama", "tiny")
+    params = fam.params(torch.bfloat16, "cpu", 0)
+    tokens, targets = fam.batch(4, seed=1)
+    graph = ir.trace(fam.loss_fn(), params, tokens[:2], targets[:2])
+    (cheap,) = stage_programs(graph, (), ("cheap",), device="cpu")
+    ad = cheap.ad
+    saved = [ad.slot_avals[s] for s in ad.forward.out_slots if s not in ad.out_slots]
+    c = fam.config
+    wide = [a for a in saved if a.dtype == torch.float32 and tuple(a.shape) == (2, c.seq_len, c.d_model)]
+    assert not wide, [str(a) for a in saved]
+    assert any(a.dtype == torch.bfloat16 and tuple(a.shape) == (2, c.seq_len, c.d_model) for a in saved)
