@@ -238,25 +238,36 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = 
 
     `trade`: a saved value is also recomputed from operands that are not at hand when saving those operands
     instead takes fewer bytes: a float32 norm's input `x.float()` is redone from the bfloat16 `x` (half its
-    bytes), which is then saved in its place.
+    bytes), which is then saved in its place. A trade is kept only where the bytes F hands on (less the stage's
+    outputs, kept anyway) fall in total: the value may still be saved for the other part, or be an output.
     """
     prod, prim = g.producers(), set(g.inputs)
+    kept = {v for v in g.outputs if isinstance(v, Var)}
     rb: set[int] = set()
     rw: set[int] = set()
+
+    def held(rb: set[int], rw: set[int]) -> int:
+        return sum(x.aval.nbytes for x in _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw) - kept)
+
     for _ in range(8):  # a fixed point: each pass may make further operands available
         saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw)
         grown = False
         for part, remat, other in ((b, rb, set()), (w, rw, rb)):
             done = remat | other  # F equations this part recomputes or gets recomputed from B
+            barred = rw if remat is rb else set()  # B never redoes what W redoes: no equation runs in both
 
             def at_hand(x: Var) -> bool:
                 j = prod.get(x)
                 return x in prim or x in saved or j in part or j in done  # noqa: B023
 
-            for v in _in_order(_reads(g, part | remat), prod):
-                chain = _chain(g, prod, v, f, done, at_hand, CHAIN_DEPTH, redo)
+            for v in _in_order(g, _reads(g, part | remat), prod):
+                chain = _chain(g, prod, v, f, done | barred, at_hand, CHAIN_DEPTH, redo)
                 if not chain and trade and v in saved:
-                    chain = _traded(g, prod, v, f, done, at_hand, redo, saved)
+                    chain = _traded(g, prod, v, f, done | barred, at_hand, redo, saved)
+                    if chain:
+                        before = held(rb, rw)
+                        after = held(rb | chain, rw) if remat is rb else held(rb, rw | chain)
+                        chain = chain if after < before else None
                 if chain:
                     remat |= chain
                     done |= chain
@@ -268,10 +279,17 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = 
     return rb, rw
 
 
-def _in_order(values: set[Var], prod: dict[Var, int]) -> list[Var]:
-    """`values` by their producing equation (inputs first, by name): the same order in every process (a set of
-    Vars iterates by address, and a greedy choice must be made alike on every rank)."""
-    return sorted(values, key=lambda v: (prod.get(v, -1), str(v)))
+def _in_order(g: Graph, values: set[Var], prod: dict[Var, int]) -> list[Var]:
+    """`values` by where they are made (a graph input by its position, -1 first; an equation's output by the
+    equation's index and its place among the outputs): the same order in every process (a set of Vars iterates
+    by address, and a greedy choice must be made alike on every rank)."""
+    where = {v: (-1, k) for k, v in enumerate(g.inputs)}
+
+    def key(v: Var) -> tuple[int, int]:
+        j = prod.get(v)
+        return where.get(v, (-1, -1)) if j is None else (j, next(k for k, o in enumerate(g.eqns[j].outputs) if o is v))
+
+    return sorted(values, key=key)
 
 
 def _traded(g: Graph, prod: dict[Var, int], v: Var, f: set[int], done: set[int], at_hand: Any, redo: Any,

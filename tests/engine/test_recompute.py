@@ -1,6 +1,7 @@
 """Activation recomputation: exact grads, saved bytes that fall, and the planner turning it on when memory is short."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -217,6 +218,26 @@ def test_a_fusing_compiler_takes_the_cheap_level_everywhere() -> None:
     assert plan(fn, params, *batch, fused_recompute=True, recompute=False, **PLAN_KW).remat == (False,) * 4
 
 
+@contextlib.contextmanager
+def _trading(on: bool, seen: list | None = None):
+    """The cheap level with the trade on or off; `seen` collects each stage's (rb, rw)."""
+    from ir import autodiff
+
+    saved = autodiff.RECOMPUTE["cheap"]
+
+    def cheap(g, f, b, w):  # type: ignore[no-untyped-def]
+        rb, rw = autodiff._rematerialize(g, f, b, w, trade=on)
+        if seen is not None:
+            seen.append((rb, rw))
+        return rb, rw
+
+    autodiff.RECOMPUTE["cheap"] = cheap
+    try:
+        yield
+    finally:
+        autodiff.RECOMPUTE["cheap"] = saved
+
+
 def _wide_norm_loss(params, x, y):
     """A net whose norms run in float64 on float32 activations (a Llama's float32 RMSNorm on bfloat16, in small)."""
     h = x
@@ -235,8 +256,9 @@ def test_trading_saved_values_for_narrower_ones_keeps_torch_func_grads() -> None
     graph = ir.trace(_wide_norm_loss, params, x[:2], y[:2])
     p = _hand_plan(graph, "1f1b", ("cheap",), m=4)
     steps = build_steps(_wide_norm_loss, params, (x, y), p)
-    (plain,) = stage_programs(graph, (), (False,), device="cpu")
-    assert steps[0].infos[0].ad.saved_bytes() < plain.ad.saved_bytes()
+    with _trading(False):
+        (untraded,) = stage_programs(graph, (), ("cheap",), device="cpu")
+    assert steps[0].infos[0].ad.saved_bytes() < untraded.ad.saved_bytes()  # a trade was made (432 < 544 bytes)
     result = run_steps(steps, params, (x, y))
     loss, ref = torch.func.grad_and_value(_wide_norm_loss)(params, x, y)[::-1]
     assert torch.allclose(result.loss, loss, rtol=1e-6, atol=0)
@@ -261,3 +283,44 @@ def test_the_cheap_level_saves_a_norms_bfloat16_input_rather_than_its_float32_co
     wide = [a for a in saved if a.dtype == torch.float32 and tuple(a.shape) == (2, c.seq_len, c.d_model)]
     assert not wide, [str(a) for a in saved]
     assert any(a.dtype == torch.bfloat16 and tuple(a.shape) == (2, c.seq_len, c.d_model) for a in saved)
+
+
+def _wide_output(params, x):
+    wide = (x @ params["w"]).double()
+    return wide, (wide * wide).sum()
+
+
+def _shared(params, x):
+    a, b = x @ params["wa"], x @ params["wb"]
+    v = a.double() + b.double()
+    t = a.double() * 3
+    return (v * v).mean() + (v @ params["p"]).mean() + (t * t).mean()
+
+
+@pytest.mark.parametrize("case", ["stage output", "read by B and W", "llama cuts"])
+def test_a_trade_never_adds_saved_bytes_nor_runs_an_equation_in_both_b_and_w(case: str) -> None:
+    """Trades are kept only where F's saved bytes fall in total: not for a value the stage returns anyway (its
+    wide copy would be saved *and* its narrow operand), and B never redoes an equation W redoes (a value read by
+    both, traded in W, then at hand for B). Over every cut of the tiny bfloat16 Llama as well."""
+    from benchmarks.families import family
+
+    n = 16
+    if case == "stage output":  # every input differentiated, both outputs get cotangents
+        graphs = [ir.trace(_wide_output, {"w": torch.randn(n, n)}, torch.randn(n, n))]
+    elif case == "read by B and W":
+        params = {"wa": torch.randn(n, n), "wb": torch.randn(n, n), "p": torch.randn(n, n, dtype=torch.float64)}
+        graphs = [ir.trace(_shared, params, torch.randn(2, n))]
+    else:
+        fam = family("llama", "tiny")
+        tokens, targets = fam.batch(2, seed=1)
+        graph = ir.trace(fam.loss_fn(), fam.params(torch.bfloat16, "cpu", 0), tokens, targets)
+        cuts = range(10, len(graph.eqns) - 10, len(graph.eqns) // 6)
+        graphs = [st.graph for cut in cuts for st in ir.split(graph, (cut,))]
+    for graph in graphs:
+        seen: list = []
+        with _trading(True, seen):
+            traded = ir.stage_autodiff(graph, recompute="cheap")
+        with _trading(False):
+            untraded = ir.stage_autodiff(graph, recompute="cheap")
+        assert traded.saved_bytes() <= untraded.saved_bytes(), case
+        assert all(not (rb & rw) for rb, rw in seen), case
