@@ -176,6 +176,17 @@ def variant(modes: list[str]) -> Iterator[Any]:
                 os.environ[name] = value
 
 
+def waits_on_gpu(compilers: str) -> None:
+    """Rows with streams that wait on the GPU (`-copy`, `-gated`) need CUDA_DEVICE_MAX_CONNECTIONS=32 from before
+    CUDA starts (engine.execution.gates.queues_short); the switches themselves are set per row, after CUDA has
+    started, so the launch sets it here, for every row of the launch alike (the NCCL rows beside them too)."""
+    from engine.execution import gates
+
+    modes = {m for c in compilers.split(",") for m in c.split("-")[1:]}
+    if modes & {"copy", "gated"} and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(gates.QUEUES)
+
+
 def run_torch(b: Bench, schedule: str, *, compiled: bool) -> None:
     b.log(f"torch.distributed.pipelining {schedule}{' compiled blocks' if compiled else ''}: building")
     residue = b.residue()
@@ -472,6 +483,7 @@ def rows_of(b: Bench) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    waits_on_gpu(args.compilers)
     world = engine.init(timeout=args.timeout)
     guard = Guard(args.budget, args.min_row, world.device, distributed=world.distributed)
     size = "tiny" if args.tiny else "large" if args.large else "base"
