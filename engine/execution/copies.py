@@ -79,7 +79,10 @@ def depth() -> int:
 
 def reserve_queues() -> None:
     """With FNPIPE_P2P=copy or FNPIPE_GATED_RECV=1, before CUDA starts: CUDA_DEVICE_MAX_CONNECTIONS=gates.QUEUES,
-    unless the user chose a value (then `gates.queues_short` judges it). CUDA reads it when its context is made."""
+    unless the user chose a value (then `gates.queues_short` judges it). CUDA reads it when its context is made.
+    A bad FNPIPE_P2P or FNPIPE_COPY_SLOTS raises here, on every rank that has it, before any communication."""
+    if wanted():
+        depth()
     if (wanted() or gating.wanted()) and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ \
             and not torch.cuda.is_initialized():
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(gating.QUEUES)

@@ -385,3 +385,10 @@ def test_close_while_the_watch_sweeps_keeps_the_transport_whole():
         a.close()
         b.close()
         assert a.failure is None and b.failure is None and not a.outgoing and not b.incoming
+
+
+def test_engine_init_refuses_a_bad_slot_count_before_any_communication(monkeypatch):
+    monkeypatch.setenv("FNPIPE_P2P", "copy")
+    monkeypatch.setenv("FNPIPE_COPY_SLOTS", "-1")
+    with pytest.raises(PlanError, match="FNPIPE_COPY_SLOTS='-1'"):
+        copies.reserve_queues()
