@@ -150,9 +150,10 @@ class Step:
     def memory(self) -> tuple[Footprint, ...]:
         """Every world rank's device bytes for one step (params, grads, buffers, temporaries), replayed
         from its program (`engine.footprint`): what `torch.cuda.max_memory_allocated` reads for programs
-        run as fx code, short of library workspaces, with what the transport holds (copy-engine rings). Where the programs were measured on the device
-        (`profile_programs`: compiled programs free differently from fx), each compute counts the bytes
-        it was seen to make. No optimizer state: that is the optimizer's."""
+        run as fx code, short of library workspaces, with what the transport holds (copy-engine rings).
+        Where the programs were measured on the device (`profile_programs`: compiled programs free
+        differently from fx), each compute counts the bytes it was seen to make. No optimizer state: that
+        is the optimizer's."""
         measured = self.profile.peak if self.profile is not None else (lambda key: None)
         return tuple(footprint(p, self.infos, self.graph, microbatches=len(routing.microbatches(self.plan, p.rank)),
                                measured=measured, resident=self.transport.resident_bytes(p.rank))
