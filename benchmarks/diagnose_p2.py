@@ -46,7 +46,7 @@ import engine
 from benchmarks import program_kernels
 from benchmarks.families import family
 from engine import report
-from engine.execution.profile import KIND
+from engine.execution.profile import KIND, from_spans, gather, program_label
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy(")
 
@@ -167,6 +167,134 @@ def remeasured(step: Any, batch: tuple, world: Any) -> dict[str, float] | None:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
 
 
+def on_real_data(step: Any, local: Any, batch: tuple, every: Any) -> tuple[str | None, Any]:
+    """Is a program slower in a step because of its data? One more step with the executor's capture on, then
+    each captured program timed in turn on the operands that step gave it (`Executor.measure_captured`: the
+    real activations and cotangents where start-up timing uses small random stand-ins), every rank's, beside
+    the start-up seconds and the programs' median time in the traced step (`profile.from_spans`). A
+    collective; the table (every rank's programs) and the gathered Profile on the real data; (None, None)
+    without a start-up profile. The executor keeps its capture (`host_costs` reuses it)."""
+    if step.profile is None:
+        return None, None
+    ex = step.executor
+    ex.capture = {}
+    step(local, *batch)
+    real = gather(ex.measure_captured(), step.transport.all_gather_json)
+    in_step = from_spans(every, step.programs.all())
+    rows = [f"{'program':>8} {'start-up ms':>12} {'real data ms':>13} {'in step ms':>11} {'data/start':>11} "
+            f"{'step/data':>10}"]
+    sums = [0.0, 0.0, 0.0]
+    for p in sorted(real.programs, key=lambda p: p.key):
+        a, c = step.profile.of(p.key), in_step.of(p.key)
+        if a is None or c is None:
+            continue
+        sums = [sums[0] + a.seconds, sums[1] + p.seconds, sums[2] + c.seconds]
+        rows.append(f"{program_label(p.key):>8} {a.seconds * 1e3:12.3f} {p.seconds * 1e3:13.3f} {c.seconds * 1e3:11.3f} "
+                    f"{p.seconds / a.seconds:11.3f} {c.seconds / p.seconds:10.3f}")
+    if sums[0] > 0 and sums[1] > 0:
+        rows.append(f"{'all':>8} {sums[0] * 1e3:12.3f} {sums[1] * 1e3:13.3f} {sums[2] * 1e3:11.3f} "
+                    f"{sums[1] / sums[0]:11.3f} {sums[2] / sums[1]:10.3f}")
+    return "\n".join(rows), real
+
+
+def host_costs(step: Any, local: Any, batch: tuple) -> dict[str, Any]:
+    """Where the host's time goes in one step, without a profiler: a mark at each instruction the executor
+    runs (its hook), so each instruction is charged the host time to the next mark, by program
+    (`program_label`) or instruction kind; the step's call to its first instruction ("before"), its last
+    mark to the call's return ("after"), and the wall time to the device's end. With the captured programs
+    (`on_real_data` first), each one's launch time from an idle device too: the host's cost of a run. A
+    rank whose host needs about what its device does is launch-bound in a step."""
+    ex, device = step.executor, step.world.device
+    marks: list[tuple[float, str]] = []
+
+    def hook(_: Any, ins: Any) -> None:
+        label = program_label((ins.stage, ins.kind, ins.accumulated())) if ins.kind in KIND else ins.kind
+        marks.append((time.perf_counter(), label))
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d=None: None)
+    old, ex.hook = ex.hook, hook
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        step(local, *batch)
+        t_ret = time.perf_counter()
+        sync(device)
+        t_end = time.perf_counter()
+    finally:
+        ex.hook = old
+    per: dict[str, list[float]] = {}
+    for (t, label), (t_next, _) in zip(marks, marks[1:] + [(t_ret, "")]):
+        per.setdefault(label, []).append(t_next - t)
+    launch, graphed = {}, {}
+    for key, (args, accs) in sorted((ex.capture or {}).items()):
+        fn, zeros = ex._part(*key), [torch.zeros_like(a) for a in accs]
+        times = []
+        for _ in range(5):
+            sync(device)
+            t = time.perf_counter()
+            fn(*args, *zeros)
+            times.append(time.perf_counter() - t)
+        launch[program_label(key)] = statistics.median(times) * 1e3
+        if device.type == "cuda":
+            graphed[program_label(key)] = graph_costs(lambda: fn(*args, *zeros), device)
+    return {"rank": step.world.rank, "before_ms": (marks[0][0] - t0) * 1e3 if marks else 0.0,
+            "loop_ms": (marks[-1][0] - marks[0][0]) * 1e3 if marks else 0.0,
+            "after_ms": (t_ret - marks[-1][0]) * 1e3 if marks else 0.0, "wall_ms": (t_end - t0) * 1e3,
+            "per": {k: [len(v), sum(v) * 1e3] for k, v in per.items()}, "launch_ms": launch, "graphed": graphed}
+
+
+def graph_costs(run: Any, device: torch.device) -> list[float] | None:
+    """`run` captured as one CUDA graph: [host ms to launch a replay, device ms a replay (10 back to back)];
+    None where capture fails. How much of a program's launch cost a graph would take away."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        torch.cuda.synchronize(device)
+        host = []
+        for _ in range(5):
+            t = time.perf_counter()
+            graph.replay()
+            host.append(time.perf_counter() - t)
+            torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out = [statistics.median(host) * 1e3, start.elapsed_time(end) / 10]
+        del graph
+        return out
+    except Exception as e:  # noqa: BLE001 -- a diagnostic: say what failed, go on
+        print(f"graph capture failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
+def host_table(rows: list[dict[str, Any]], real: Any) -> str:
+    """`host_costs` of every rank as text: the step's host phases, then per program or instruction kind its
+    count, host ms in the step, host ms a run from idle (launch) and device ms a run (in turn, real data)."""
+    out = []
+    for r in rows:
+        out.append(f"rank {r['rank']}: host before the first instruction {r['before_ms']:.2f} ms, instruction loop "
+                   f"{r['loop_ms']:.2f} ms, after the last {r['after_ms']:.2f} ms; wall to the device's end "
+                   f"{r['wall_ms']:.2f} ms")
+        out.append(f"{'what':>10} {'n':>4} {'host ms':>9} {'host/run':>9} {'launch ms':>10} {'device ms':>10} "
+                   f"{'graph launch':>13} {'graph device':>13}")
+        for label, (n, ms) in sorted(r["per"].items(), key=lambda kv: -kv[1][1]):
+            dev = next((p.seconds * 1e3 for p in (real.programs if real else ()) if program_label(p.key) == label), None)
+            la, gr = r["launch_ms"].get(label), r.get("graphed", {}).get(label)
+            out.append(f"{label:>10} {n:>4} {ms:9.2f} {ms / n:9.3f} {'-' if la is None else f'{la:.3f}':>10} "
+                       f"{'-' if dev is None else f'{dev:.3f}':>10} {'-' if not gr else f'{gr[0]:.3f}':>13} "
+                       f"{'-' if not gr else f'{gr[1]:.3f}':>13}")
+    return "\n".join(out)
+
+
 ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
              "num_ooms")  # the caching allocator's counters whose rise in a step means cudaMalloc, frees or syncs
 
@@ -220,6 +348,9 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
     again = remeasured(step, batch, world) if args.remeasure else None
     _, _, spans = step.traced(local, *batch)
     every = step.all_spans(spans)
+    data, real = on_real_data(step, local, batch, every) if args.real else (None, None)
+    host = step.transport.all_gather_json(host_costs(step, local, batch)) if args.host else None
+    step.executor.capture = None
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"diag_{label}_{compiler}_rank{world.rank}.json"
@@ -241,7 +372,7 @@ def run_case(label: str, case: tuple, args: argparse.Namespace, world: Any, comp
     row = {"label": label, "compiler": compiler, "measured_s": seconds,
            "predicted_s": step.plan.predicted_step_time, "prog_s": step.predicted_step_time, "build_s": build_s,
            "ranks": gathered,
-           "cuts": list(step.plan.cuts), "remeasured": again, "recompute": [str(r) for r in step.plan.recompute]}
+           "cuts": list(step.plan.cuts), "remeasured": again, "real_data": data, "host": host and host_table(host, real), "recompute": [str(r) for r in step.plan.recompute]}
     if world.rank == 0:
         print(step.plan, flush=True)
         print(report.compare(step, every), flush=True)
@@ -268,6 +399,12 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--remeasure", action="store_true",
                     help="time the stage programs again after the timed steps (now / at start-up, per program)")
+    ap.add_argument("--host", action="store_true",
+                    help="where the host's time goes in a step, per program or instruction kind, beside each "
+                         "program's launch time from idle (with --real) and its device time")
+    ap.add_argument("--real", action="store_true",
+                    help="time each program in turn on the operands a step gave it, beside its start-up time "
+                         "(stand-ins) and its time in the step (is it the data?)")
     args = ap.parse_args()
     world = engine.init(timeout=args.timeout)
     tiny = args.tiny or world.device.type == "cpu"
@@ -305,6 +442,13 @@ def main() -> int:
         for r in rows:
             print(f"{r['label']} {r['compiler']}: the caching allocator over the {args.steps} timed steps, per rank: "
                   + "; ".join(f"{k['rank']}: {k.get('allocator', {})}" for k in r["ranks"]))
+        for r in rows:
+            if r.get("real_data"):
+                print(f"\n{r['label']} {r['compiler']}: each program timed in turn on stand-ins (start-up), on the "
+                      f"operands a step gave it (real data), and in the step\n{r['real_data']}")
+        for r in rows:
+            if r.get("host"):
+                print(f"\n{r['label']} {r['compiler']}: the host's time in one step\n{r['host']}")
         for r in rows:
             if r.get("remeasured"):
                 a = r["remeasured"]

@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402
+from engine.execution.graphs import pool_bytes  # noqa: E402
 from benchmarks import bench_report, torch_pp_baseline  # noqa: E402
 from benchmarks.bench_guard import Guard  # noqa: E402
 from benchmarks.families import Family, family, lm_loss  # noqa: E402
@@ -152,12 +153,14 @@ def variant(modes: list[str]) -> Iterator[Any]:
     rebalance mode (REBALANCE), "roomN" the extra stage-microbatches a searched zero-bubble order may hold
     (engine.planning.refine.ROOMS = (N,); "room0": none), "gated" gated receives (FNPIPE_GATED_RECV=1), "copy"
     copy-engine channels (FNPIPE_P2P=copy; both read when the transports are made, inside parallelize), "cold"
-    the stage programs timed from a cold L2 cache (FNPIPE_PROFILE_COLD=1). Yields parallelize's `rebalance`."""
+    the stage programs timed from a cold L2 cache (FNPIPE_PROFILE_COLD=1), "graphs" each compute replayed as a
+    CUDA graph (FNPIPE_CUDA_GRAPHS=1). Yields parallelize's `rebalance`."""
     from engine.planning import refine
 
     rebalance = REBALANCE[next((m for m in modes if m in REBALANCE), "")]
     rooms = [int(m[4:]) for m in modes if m.startswith("room")]
-    switches = {"gated": ("FNPIPE_GATED_RECV", "1"), "copy": ("FNPIPE_P2P", "copy"), "cold": ("FNPIPE_PROFILE_COLD", "1")}
+    switches = {"gated": ("FNPIPE_GATED_RECV", "1"), "copy": ("FNPIPE_P2P", "copy"), "cold": ("FNPIPE_PROFILE_COLD", "1"),
+                "graphs": ("FNPIPE_CUDA_GRAPHS", "1")}
     saved_rooms = refine.ROOMS
     saved = {name: os.environ.get(name) for name, _ in switches.values()}
     try:
@@ -262,13 +265,14 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
     b.log(f"fnpipe {schedule} compiler={compiler}{' (one stage)' if alone else ''}: planning")
     residue = b.residue()
     t = time.perf_counter()
+    name, *modes = compiler.split("-")  # "auto-fixed": compiler auto, the planner's split kept (no rebalance)
     if alone:
-        step = alone_step(b, schedule, compiler=compiler)
+        with variant(modes):
+            step = alone_step(b, schedule, compiler=name)
     else:
         layout = {"dp": b.args.dp} if b.args.dp > 1 else {}
         if schedule in ("interleaved-1f1b", "looped-bfs", "interleaved-zb"):
             layout["stages_per_rank"] = b.args.stages_per_rank
-        name, *modes = compiler.split("-")  # "auto-fixed": compiler auto, the planner's split kept (no rebalance)
         with variant(modes) as rebalance:
             step = engine.parallelize(b.loss_fn, b.params, b.tokens, b.targets, schedule=schedule, microbatches=b.m,
                                       timeout=b.args.timeout, calibrate=calibration_path(b), compiler=name,
@@ -293,12 +297,36 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
     first_s = time.perf_counter() - t
     res = b.measure(lambda: step(local, x, y)[0], loss_of=float, label=f"fnpipe {schedule}/{compiler}",
                     across_ranks=not alone, residue=residue)
+    graphs = step.executor.graphs
+    if graphs is not None:  # the pool's bytes are the graphs' own, not in the allocator's count at replay
+        b.log(f"fnpipe {schedule}/{compiler}: CUDA graphs {graphs.state}, {len(graphs.captured)} captured, pool "
+              f"{pool_bytes(graphs) / 2**30:.2f} GiB on rank {b.world.rank}")
     b.add("fnpipe", f"{compiler}:{step.executor.compiler}", "1-stage" if alone else schedule, res,
           1 if alone else b.world.size, build_s=build_s, first_step_s=first_s, to_first_step_s=build_s + first_s,
           compile_s={str(k): v for k, v in step.compile_seconds.items()},
-          rebalanced=None if step.rebalanced is None else str(step.rebalanced), **predicted(step))
+          rebalanced=None if step.rebalanced is None else str(step.rebalanced), **predicted(step),
+          **graph_memory(b, step, alone))
     step.close()
     del step, local
+
+
+def graph_memory(b: Bench, step: engine.Step, alone: bool) -> dict[str, Any]:
+    """With CUDA graphs: each rank's state and pool bytes, and the peak reserved by the allocator over the row
+    (the pool's memory is reserved for the graphs, but the allocator counts none of it as allocated at replay)."""
+    graphs = step.executor.graphs
+    if graphs is None or b.world.device.type != "cuda":
+        return {}
+    mine = [float(pool_bytes(graphs)), float(torch.cuda.max_memory_reserved(b.world.device)),
+            1.0 if graphs.state == "replay" else 0.0]
+    if alone or not b.world.distributed:
+        every = [mine]
+    else:
+        t = torch.tensor(mine, dtype=torch.float64, device=b.world.device)
+        parts = [torch.empty_like(t) for _ in range(b.world.size)]
+        dist.all_gather(parts, t)
+        every = [p.tolist() for p in parts]
+    return {"graph_pool_bytes": [int(r[0]) for r in every], "peak_reserved_bytes": [int(r[1]) for r in every],
+            "graphs_replayed": [bool(r[2]) for r in every]}
 
 
 def grad_step(b: Bench) -> Callable[[], torch.Tensor]:
@@ -355,7 +383,7 @@ def one_device_rows(b: Bench) -> None:
                                                             across_ranks=False), 1)) if "grad" in wanted else None,
                 *[(f"fnpipe 1-stage {c}", lambda c=c: run_fnpipe(b, "1f1b", compiler=c, alone=True))
                   for c in _items(b.args.compilers)
-                  if "fnpipe" in wanted and "-" not in c]]  # -fixed / -step: one stage has no split to keep or redo
+                  if "fnpipe" in wanted and set(c.split("-")[1:]) <= {"graphs"}]]  # one stage: no split to keep
         for label, run in [r for r in rows if r is not None]:
             if b.guard.elapsed() + b.args.min_row > b.guard.budget:  # rank 0 alone: its own clock decides
                 b.rows.append({"framework": "skipped", "variant": label, "schedule": "1-gpu", "error": "out of budget"})
@@ -429,6 +457,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(auto-room2): a searched zero-bubble order holds at most N stage-microbatches more (refine.ROOMS); "
                     "with -gated: gated receives (FNPIPE_GATED_RECV=1); with -copy: copy-engine channels (FNPIPE_P2P=copy); "
                     "with -cold: programs timed from a cold L2 cache (FNPIPE_PROFILE_COLD=1); "
+                    "with -graphs: each compute replayed as a CUDA graph (FNPIPE_CUDA_GRAPHS=1); "
                     "suffixes combine (auto-room8-gated)")
     ap.add_argument("--torch-eager", default="1f1b", help="PyTorch schedules with eager blocks")
     ap.add_argument("--torch-compiled", default="1f1b,gpipe,interleaved-1f1b",

@@ -19,6 +19,12 @@
 #   bash benchmarks/h200_session.sh fourwhy   # 4 GPUs: why programs run slower in a step than in turn: per
 #                                             # program kernels and span, allocator counters; GPT zbv at p = 4
 #                                             # and ResNet-101x4 1f1b at p = 2, each ungated and gated
+#   bash benchmarks/h200_session.sh fourdata  # 4 GPUs: zbv's programs timed in turn on stand-ins, on a step's own
+#                                             # operands and in the step (is the in-step slowdown the data?)
+#   bash benchmarks/h200_session.sh fourhost  # 4 GPUs: zbv's host time per program in a step, launch from idle and
+#                                             # as a CUDA graph; inductor's Python wrapper against its C++ wrapper
+#   bash benchmarks/h200_session.sh fourgraphs # 4 GPUs: CUDA graphs: equivalence at 2 ranks, zbv at p = 4 with and
+#                                             # without, the one-GPU rows for the share of ideal
 #   bash benchmarks/h200_session.sh fourcheck # 4 GPUs: gated receives' equivalence over NCCL, the same plan started
 #                                             # three times in one process (restarts.py), one traced zbv step with
 #                                             # the SM clock and power sampled every 10 ms beside it
@@ -29,7 +35,7 @@
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -93,6 +99,23 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
         --schedules "${SCHEDULES:-zbv,1f1b}" --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 \
         --out-dir "$out"
       ;;
+    fourgraphs)  # 4 GPUs: CUDA graphs of the compute instructions (engine/execution/graphs.py). Their float64 and
+                 # float32 equivalence over NCCL at 2 ranks first (GPUs 0,1; three steps a case: eager, capture,
+                 # replay with another batch and new parameter tensors), then zbv at p = 4 without and with them
+                 # in one launch, each family's one-GPU fnpipe rows (without and with) last for the share of ideal
+      FNPIPE_CUDA_GRAPHS=1 FNPIPE_EQ_STEPS=3 CUDA_VISIBLE_DEVICES=0,1 \
+        timeout "${EQ_TIMEOUT:-120}" mpirun --allow-run-as-root -n 2 python3 tests/mpi/equivalence.py \
+        > "$out/equivalence_graphs.txt" 2>&1
+      echo "CUDA-graph equivalence over NCCL, 2 ranks: exit $?, $(grep -c '^OK' "$out/equivalence_graphs.txt") OK," \
+        "$(grep -c "^FAIL" "$out/equivalence_graphs.txt") FAIL, $(grep -c "compute instructions captured" "$out/equivalence_graphs.txt") captures, $(grep -c "CUDA graphs off" "$out/equivalence_graphs.txt") off"
+      grep -v '^OK' "$out/equivalence_graphs.txt" | grep -v -E "^\[W|warn" | tail -n 12
+      calib=(); nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && [ -n "$(ls "$cal"/*.json 2>/dev/null)" ] \
+        && calib=(--calibrate "$cal")  # H100 tables carried in; elsewhere uncalibrated (no time to calibrate)
+      bench "${BENCH_TIMEOUT:-440}" 4 29516 --budget "${BENCH_BUDGET:-410}" --families "$families" "${calib[@]}" \
+        --one-gpu-layers 16 --one-gpu-rows fnpipe --compilers "${COMPILERS:-auto,auto-graphs}" \
+        --schedules "${SCHEDULES:-zbv}" --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 \
+        --out-dir "$out"
+      ;;
     fourall)  # 4 GPUs, one command: depth 4 (zbv, 1f1b, interleaved-1f1b), then DP2 x PP2 (1f1b), each row's
               # predictions beside it: the planner's and the one from the stage programs measured on the device
       mkdir -p "$out/p4" "$out/dp2"
@@ -116,6 +139,28 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       wait
       for f in "$why"/*/spans_*.json; do [ -f "$f" ] && gzip -c "$f" > "$out/why/$(basename "$(dirname "$f")")_$(basename "$f").gz"; done
       for f in "$out"/why/*.txt; do echo "==== $f"; grep -v -E "^\s+[0-9]+: |^\[W|UserWarning|warnings.warn" "$f" | tail -n 60; done
+      ;;
+    fourdata)  # 4 GPUs: is a program slower in a step because of its data? zbv at p = 4, each program timed in turn
+               # on start-up's stand-ins, on the operands a step gave it, and in the step (diagnose_p2.py --real),
+               # with the kernels-or-gaps tables: GPT and the Llama over NCCL, then GPT over the copy engines
+      why=/tmp/fnpipe_data; mkdir -p "$why"/{gpt,llama,gpt_copy} "$out/data"
+      diag() { OUT="$why/$1" timeout "$2" torchrun --nproc_per_node 4 --master-port "$3" benchmarks/diagnose_p2.py \
+                 --compilers auto --timeout 200 --schedule zbv --real --host "${@:4}" > "$out/data/$1.txt" 2>&1; echo "== $1: exit $?"; }
+      diag gpt 175 29518 --families gpt
+      diag llama 175 29519 --families llama
+      FNPIPE_P2P=copy CUDA_DEVICE_MAX_CONNECTIONS=32 diag gpt_copy 175 29520 --families gpt
+      for f in "$out"/data/*.txt; do echo "==== $f"; grep -v -E "^\s+[0-9]+: |^\[W|UserWarning|warnings.warn|INFO\]" "$f" | tail -n 75; done
+      ;;
+    fourhost)  # 4 GPUs: is a step's rank launch-bound? zbv at p = 4: the host's time per program in a step, each
+               # program's launch time from idle and as one CUDA graph (diagnose_p2.py --real --host); GPT with
+               # inductor's Python wrapper, then its C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1), then the Llama
+      why=/tmp/fnpipe_host; mkdir -p "$why"/{gpt,gpt_cpp,llama} "$out/host"
+      diag() { OUT="$why/$1" timeout "$2" torchrun --nproc_per_node 4 --master-port "$3" benchmarks/diagnose_p2.py \
+                 --compilers auto --timeout 200 --schedule zbv --real --host "${@:4}" > "$out/host/$1.txt" 2>&1; echo "== $1: exit $?"; }
+      diag gpt 150 29518 --families gpt
+      TORCHINDUCTOR_CPP_WRAPPER=1 diag gpt_cpp 240 29519 --families gpt
+      diag llama 150 29520 --families llama
+      for f in "$out"/host/*.txt; do echo "==== $f"; grep -E "^\| (gpt|llama) auto" "$f"; sed -n "/the host.s time in one step/,\$p" "$f" | grep -v -E "^\[W|Warn|warn" | head -60; done
       ;;
     resnetwhy)  # 2 GPUs: ResNet-101x4 1f1b, inductor then fx, uncalibrated: the step against its programs, each
                 # program's kernels, span and gaps in a profiled step against in turn (NOTES.md, Open)
@@ -166,7 +211,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
         --risky-timeout 60 --out-dir "$out/schedlib"
       OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
       ;;
-    *) echo "unknown part $part (two, one, profile, examples, four, fourzbv, fourwhy, fourcheck, fourdp, fourall, resnet, resnetwhy or schedlib)"; exit 2 ;;
+    *) echo "unknown part $part (two, one, profile, examples, four, fourzbv, fourcopy, fourwhy, fourdata, fourhost, fourgraphs, fourcheck, fourdp, fourall, resnet, resnetwhy or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"

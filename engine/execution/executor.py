@@ -14,6 +14,7 @@ import ir
 from .calls import Call, Groups, prepare
 from .compilers import COMPILERS, CompileLog, check_compiler, resolve  # noqa: F401 -- check_compiler re-exported
 from .emit import StageInfo
+from .graphs import Graphs
 from .packing import Layouts
 from .profile import Key, Profile, ProgramCost, faster_of, first_instructions, measure, program_label
 from .program import COMPUTE, Instr, Program
@@ -36,6 +37,9 @@ class Executor:
         self.compile_log = CompileLog()
         self.tracer: Tracer | None = None
         self.annotate = False  # name each compute in a profiler trace (`profile.program_label`): diagnostics only
+        self.capture: dict[Key, tuple[list[Any], list[torch.Tensor]]] | None = None  # `measure_captured`: diagnostics
+        self.graphs: Graphs | None = None  # CUDA graphs of the compute instructions (`graphs`), set by the Step
+        self.own_grads: dict[int, torch.Tensor] = {}  # with graphs: accumulators that outlive a step
         self.parts: dict[tuple[int, str, tuple[int, ...]], Callable[..., Any]] = {}  # (stage, kind, accumulate)
         self.layouts = Layouts(infos)  # each transfer's messages (`packing`)
         self.groups: Groups = {}
@@ -65,18 +69,33 @@ class Executor:
         tracer = self.tracer
         if tracer is not None:
             tracer.begin_step()
-        for ins in self.program.instrs:
-            if self.hook is not None and self.hook(self, ins) == "skip":
-                continue
-            if tracer is not None and ins.kind not in UNTRACED:
-                opened = tracer.around(ins)
-                HANDLERS[ins.kind](self, ins)
-                tracer.close(opened)
-            else:
-                HANDLERS[ins.kind](self, ins)
-        self._drain_sends()
+        graphs = self.graphs
+        if graphs is not None:
+            graphs.begin_step()
+        ok = False
+        try:
+            for ins in self.program.instrs:
+                if self.hook is not None and self.hook(self, ins) == "skip":
+                    continue
+                if tracer is not None and ins.kind not in UNTRACED:
+                    opened = tracer.around(ins)
+                    HANDLERS[ins.kind](self, ins)
+                    tracer.close(opened)
+                else:
+                    HANDLERS[ins.kind](self, ins)
+            self._drain_sends()
+            ok = True
+        finally:
+            if graphs is not None:
+                graphs.end_step(ok)
         if tracer is not None:
             tracer.end_step()
+        if self.own_grads:  # the accumulators outlive the step: the caller gets copies (one multi-tensor kernel),
+            # also of views of them (a sum over ranks may hand back a view of a lone accumulator)
+            own = {g.untyped_storage().data_ptr() for g in self.own_grads.values()}
+            mine = [pid for pid, g in self.grads.items() if g.untyped_storage().data_ptr() in own]
+            if mine:
+                self.grads.update(zip(mine, torch._foreach_mul([self.grads[p] for p in mine], 1.0)))
         # the user's loss and aux leaves on storage of their own (one multi-tensor kernel), not views keeping the
         # flat totals alive (a ResNet-101's are 4.8 MiB: a kept loss would hold all of it)
         self.loss, *self.aux = torch._foreach_mul([self.loss, *self.aux], 1.0)
@@ -129,6 +148,21 @@ class Executor:
                  for _ in range(max(1, passes))]
         return functools.reduce(faster_of, timed).programs
 
+    def measure_captured(self, *, passes: int = 2) -> tuple[ProgramCost, ...]:
+        """The programs `capture` saw in a step, timed in turn on the operands that step gave them (the real
+        activations and cotangents where `measure` uses stand-ins), each stage's F, then B, W or BW as
+        `measure` orders them; accumulators are fresh zeros, so the step's grads are not touched. A
+        diagnostic: is a program slower in a step because of its data? Empty without a capture."""
+        captured = self.capture or {}
+        order = {kind: k for k, kind in enumerate(COMPUTE)}
+        stages = sorted({key[0] for key in captured})
+        runs = [[(key, functools.partial(self._part(*key), *args, *[torch.zeros_like(a) for a in accs]))
+                 for key, (args, accs) in sorted(captured.items(), key=lambda kv: (order[kv[0][1]], kv[0][2]))
+                 if key[0] == s] for s in stages]
+        timed = [Profile(cost for stage_runs in runs for cost in measure(stage_runs, self.device))
+                 for _ in range(max(1, passes))]
+        return functools.reduce(faster_of, timed).programs if timed and runs else ()
+
     def _stand_in_runs(self, stages: Sequence[int], batch: dict[int, torch.Tensor] | None
                        ) -> Iterator[list[tuple[Key, Callable[[], Any]]]]:
         """Per stage, every distinct program it runs here, run once in order (each one's outputs feed the
@@ -163,7 +197,16 @@ class Executor:
         """The grad accumulator of parameter `leaf` (`g<leaf>`), zeros at its first use in a step: compiled W / BW
         programs add each weight grad into it as soon as it is made (see `ir.compile_graph`'s `accumulate`)."""
         if leaf not in self.grads:
-            self.grads[leaf] = torch.zeros_like(self.params[leaf], memory_format=torch.contiguous_format)
+            if self.graphs is not None and self.graphs.active:  # a graph adds into it: the same tensor every step
+                own = self.own_grads.get(leaf)
+                if own is None:
+                    own = self.own_grads[leaf] = torch.zeros_like(self.params[leaf],
+                                                                  memory_format=torch.contiguous_format)
+                else:
+                    own.zero_()
+                self.grads[leaf] = own
+            else:
+                self.grads[leaf] = torch.zeros_like(self.params[leaf], memory_format=torch.contiguous_format)
         return self.grads[leaf]
 
     # -- operands -------------------------------------------------------------------------------
@@ -184,6 +227,8 @@ class Executor:
     def _retire_sends(self) -> None:
         """Forget sends that have finished. Sends are never waited on mid-step: on NCCL that would make
         compute wait for the peer; the tensors stay referenced here until their transfer is done."""
+        if self.graphs is not None and self.graphs.capturing:
+            return  # a capture step keeps every sent tensor to its end: no graph may reuse what a send still reads
         self.sends = [(w, t) for w, t in self.sends if w is not None and not w.is_completed()]
 
     def _drain_sends(self) -> None:
@@ -208,8 +253,15 @@ class Executor:
             if pos in call.contiguous and not args[pos].is_contiguous():
                 args[pos] = args[pos].contiguous()
         accs = [self.accumulator(p) for p in call.grads]
+        if self.capture is not None:
+            self.capture.setdefault((call.stage, call.kind, call.accumulate), (list(args), accs))
+        key = (call.stage, call.kind, call.accumulate)
         with self._annotation(call):
-            outs = self._part(call.stage, call.kind, call.accumulate)(*args, *accs)
+            if self.graphs is not None and self.graphs.state in ("capture", "replay"):
+                outs = self.graphs.run(id(ins), key, self._part(*key), [*args, *accs],
+                                       lambda: str(getattr(self.infos[call.stage].ad, call.kind).graph))
+            else:
+                outs = self._part(*key)(*args, *accs)
         self.bufs.update((ref, outs[k]) for k, ref in call.writes)
 
     def _prepare(self, ins: Instr) -> Call:

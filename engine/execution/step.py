@@ -20,6 +20,8 @@ from . import launch, routing
 from .assemble import Programs, channels, common_fingerprints, disagreements, interface, reduce_groups
 from .executor import Executor, Hook
 from .footprint import Footprint, footprint
+from .graphs import Graphs
+from .graphs import enabled as graphs_enabled
 from .inputs import Inputs
 from .loss_weights import loss_weights
 from .profile import Profile, against_plan, gather, predicted_step_time
@@ -73,6 +75,8 @@ class Step:
         self.local_params = sorted(mine | (set(self.unused) if self.position == 0 else set()))
         self.executor = Executor(self.program, self.infos, transport, microbatches=self.plan.microbatches,
                                  dp=self.plan.dp, device=world.device, hook=hook, compiler=compiler)
+        if graphs_enabled(world.device):  # CUDA graphs of the compute instructions (FNPIPE_CUDA_GRAPHS)
+            self.executor.graphs = Graphs(world.device)
         transport.prepare(largest_receives(self.program, self.executor.layouts))  # collective: copy-engine rings
         self.closed = False
         self.profile: Profile | None = None  # the stage programs measured on the device (profile_programs)
@@ -110,6 +114,11 @@ class Step:
         process group stays for the next `parallelize`; `with engine.parallelize(...) as step:` closes."""
         self.transport.close()
         self.executor.parts.clear()
+        if self.executor.graphs is not None:
+            if self.world.device.type == "cuda":
+                torch.cuda.synchronize(self.world.device)  # no graph may still run when its pool goes
+            self.executor.graphs.close()
+            self.executor.own_grads.clear()
         self.closed = True
 
     def __enter__(self) -> Step:

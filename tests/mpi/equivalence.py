@@ -39,20 +39,34 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(cfg: dict, dtype: torch.dtype, rank: int) -> str:
+    """One configuration: FNPIPE_EQ_STEPS steps (default 1), each against torch.func.grad. Past the first, each
+    step gets another batch and the last one new parameter tensors (a replayed CUDA graph, FNPIPE_CUDA_GRAPHS=1,
+    must copy them in); FNPIPE_EQ_COMPILER picks the compiler (default fx)."""
+    steps = int(os.environ.get("FNPIPE_EQ_STEPS", "1"))
     params = models.init_params(dtype=dtype, layers=4)
     batch = models.batch(size=16)
-    ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
     # fx: the runtime over NCCL is under test (compiler="auto" would compile every case with inductor on GPU)
-    step = engine.parallelize(models.loss_fn, params, *batch, **{"microbatches": 4, "compiler": "fx", **cfg})
-    loss, grads = step(step.shard(params), *batch)
-    errs = [rel_err(loss.cpu(), ref_loss)]
-    names = step.graph.input_names
-    for name, g, r in zip(names, pytree.tree_leaves(grads, is_leaf=lambda x: x is None), pytree.tree_leaves(ref)):
-        if g is not None:
-            errs.append(rel_err(g.cpu(), r))
-    worst = max(errs)
+    compiler = os.environ.get("FNPIPE_EQ_COMPILER", "fx")
+    step = engine.parallelize(models.loss_fn, params, *batch, **{"microbatches": 4, "compiler": compiler, **cfg})
+    local = step.shard(params)
+    worst, leaves = 0.0, 0
+    for k in range(steps):
+        if k:
+            batch = models.batch(size=16, seed=1 + k)
+        if k and k == steps - 1:
+            params = pytree.tree_map(lambda p: p * 1.01, params)
+            local = step.shard(params)
+        ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
+        loss, grads = step(local, *batch)
+        errs = [rel_err(loss.cpu(), ref_loss)]
+        names = step.graph.input_names
+        for name, g, r in zip(names, pytree.tree_leaves(grads, is_leaf=lambda x: x is None), pytree.tree_leaves(ref)):
+            if g is not None:
+                errs.append(rel_err(g.cpu(), r))
+        worst, leaves = max(worst, *errs), len(errs) - 1
     status = "OK" if worst <= RTOL[dtype] else "FAIL"
-    return f"{status} rank {rank} {cfg} {str(dtype)[6:]} max rel err {worst:.2e} ({len(errs) - 1} grad leaves here)"
+    more = f", {steps} steps" if steps > 1 else ""
+    return f"{status} rank {rank} {cfg} {str(dtype)[6:]} max rel err {worst:.2e} ({leaves} grad leaves here{more})"
 
 
 def main() -> int:

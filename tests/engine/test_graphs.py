@@ -1,0 +1,170 @@
+"""CUDA graphs of the compute instructions (`engine/execution/graphs.py`), their bookkeeping checked on CPU.
+
+A CUDA graph keeps its kernels' addresses: a replay reads its inputs where the capture found them and writes its
+outputs where the capture put them. `Recorded` does the same on CPU: it keeps the capture's arguments and outputs
+and a replay runs the program on those same tensors and writes into those same outputs. So every step after the
+capture checks what the runtime must do for a real graph: copy each new input (a batch, new parameters, a
+received tensor) into the place the capture held, hand later instructions the outputs at their captured places,
+add grads into accumulators that outlive the step and hand out copies. The GPU run of the same machinery:
+`FNPIPE_CUDA_GRAPHS=1 FNPIPE_EQ_STEPS=3 mpirun -n 2 python tests/mpi/equivalence.py`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from engine.errors import PlanError
+from engine.execution import graphs as graphs_mod
+from engine.execution.graphs import Graphs, _Tensor
+from engine.execution.inprocess import build_steps, run_steps
+from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
+
+
+class _Replay:
+    """A recorded program: its arguments and outputs as the capture had them."""
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], outs: Any) -> None:
+        self.fn, self.args, self.outs, self.replays = fn, list(args), outs, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        new = self.fn(*self.args)
+        for kept, made in zip(_flat(self.outs), _flat(new)):
+            if kept is not None and kept is not made:
+                kept.copy_(made)
+
+
+def _flat(outs: Any) -> list[Any]:
+    return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+
+class Recorded(Graphs):
+    """Graphs that record on CPU: the capture runs the program once and undoes what it added in place (a CUDA
+    capture runs nothing), so the replay right after it is the step's one run."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.recorded: list[_Replay] = []
+
+    def record(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Any]:
+        before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        outs = fn(*args)
+        for a, b in zip(args, before):
+            if isinstance(a, torch.Tensor):
+                a.copy_(b)
+        graph = _Replay(fn, args, outs)
+        self.recorded.append(graph)
+        return graph, outs
+
+
+def _reference(params: Any, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    loss, grads = torch.func.grad_and_value(make_loss_fn(TINY))(params, *batch)[::-1]
+    return loss, grads
+
+
+def _check(result: Any, params: Any, batch: Sequence[torch.Tensor]) -> None:
+    loss, ref = _reference(params, batch)
+    assert torch.allclose(result.loss, loss, rtol=1e-12, atol=0)
+    for got, want in zip(pytree.tree_leaves(result.grads), pytree.tree_leaves(ref)):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-14), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("schedule,stages,ranks,dp", [("1f1b", 2, 2, 1), ("zbv", 4, 2, 1), ("zb-h1", 3, 3, 1),
+                                                      ("interleaved-1f1b", 4, 2, 1), ("1f1b", 2, 2, 2)])
+def test_replayed_steps_give_the_grads_of_torch_func(schedule: str, stages: int, ranks: int, dp: int) -> None:
+    """Four steps: eager, capture, replay with a new batch, replay with new parameter tensors; each equals
+    torch.func.grad, and every compute instruction after the first step ran as a replay. With dp 2 the grads are
+    summed over replicas after the accumulators (the sum hands back views of the flat buffer, not them)."""
+    from engine.planning.plan import Plan, StagePlan
+    import ir
+
+    params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
+    fn = make_loss_fn(TINY)
+    graph = ir.trace(fn, params, *[b[:2] for b in batch])
+    n = len(graph.eqns)
+    cuts = tuple(n * k // stages for k in range(1, stages))
+    options = (("stages_per_rank", stages // ranks),) if schedule == "interleaved-1f1b" else ()
+    plan = Plan(schedule, stages, ranks, dp, 4, cuts, stages=tuple(StagePlan(k, 0, 0, 0) for k in range(stages)),
+                schedule_options=options)
+    steps = build_steps(fn, params, batch, plan)
+    fakes = [Recorded() for _ in steps]
+    for s, g in zip(steps, fakes):
+        s.executor.graphs = g
+    batches = [batch, batch, example_batch(TINY, 8, seed=7), example_batch(TINY, 8, seed=9)]
+    for k, b in enumerate(batches):
+        if k == 3:
+            params = pytree.tree_map(lambda p: p * 1.01, params)  # new tensors: copied into the captured ones
+        _check(run_steps(steps, params, b), params, b)
+        assert all(g.state == ("warm" if k == 0 else "replay") for g in fakes), [g.state for g in fakes]
+    computes = [sum(i.kind in ("forward", "backward", "backward_input", "backward_weight") for i in s.program.instrs)
+                for s in steps]
+    for g, c in zip(fakes, computes):
+        assert len(g.recorded) == c  # one graph per compute instruction
+        assert all(r.replays == 3 for r in g.recorded)  # the capture step's run and two replays
+
+
+def test_the_step_hands_out_copies_of_its_accumulators() -> None:
+    """A later step must not change the grads an earlier one returned (the accumulators are the graphs')."""
+    params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
+    import ir
+    from engine.planning.plan import Plan, StagePlan
+
+    fn = make_loss_fn(TINY)
+    graph = ir.trace(fn, params, *[b[:2] for b in batch])
+    plan = Plan("1f1b", 2, 2, 1, 4, (len(graph.eqns) // 2,), stages=(StagePlan(0, 0, 0, 0), StagePlan(1, 0, 0, 1)))
+    steps = build_steps(fn, params, batch, plan)
+    for s in steps:
+        s.executor.graphs = Recorded()
+    kept = []
+    for k in range(3):
+        result = run_steps(steps, params, batch if k < 2 else example_batch(TINY, 8, seed=5))
+        kept.append([g.clone() for g in pytree.tree_leaves(result.grads)])
+        if k == 1:
+            held = pytree.tree_leaves(result.grads)
+    for a, b in zip(held, kept[1]):  # step 3 ran with another batch; step 2's grads are as they were
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(kept[1], kept[2]))
+
+
+def test_a_program_with_random_ops_turns_graphs_off() -> None:
+    g = Recorded()
+    g.begin_step()
+    g.begin_step()
+    assert g.state == "capture"
+    x = torch.ones(3)
+    out = g.run(1, (0, "forward", ()), lambda t: t * 2, [x], lambda: "b = aten.bernoulli(a)")
+    assert torch.equal(out, x * 2) and g.state == "off" and not g.recorded
+
+
+def test_an_input_of_another_shape_at_replay_runs_eagerly_and_turns_graphs_off() -> None:
+    g = Recorded()
+    g.begin_step()
+    g.begin_step()
+    x = torch.ones(3)
+    g.run(1, (0, "forward", ()), lambda t: t + 1, [x], lambda: "")
+    g.end_step(True)
+    g.begin_step()
+    out = g.run(1, (0, "forward", ()), lambda t: t + 1, [torch.ones(4)], lambda: "")
+    assert torch.equal(out, torch.full((4,), 2.0)) and g.state == "off"
+
+
+def test_a_place_rebuilds_the_same_view() -> None:
+    base = torch.arange(24.0).reshape(4, 6)
+    view = base[1:3, 2:5]
+    again = _Tensor.of(view).rebuild(torch.device("cpu"))
+    assert again.data_ptr() == view.data_ptr() and torch.equal(again, view)
+    base[2, 3] = -1.0
+    assert again[1, 1] == -1.0
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(graphs_mod.SWITCH, "1")
+    assert not graphs_mod.enabled(torch.device("cpu"))  # CUDA only
+    monkeypatch.setenv(graphs_mod.SWITCH, "sometimes")
+    with pytest.raises(PlanError, match="FNPIPE_CUDA_GRAPHS"):
+        graphs_mod.enabled(torch.device("cpu"))
