@@ -39,7 +39,9 @@ from ..errors import PlanError
 
 log = logging.getLogger("engine.runtime")
 
-RANDOM = re.compile(r"rand|bernoulli|dropout|normal|multinomial|poisson|exponential|geometric|cauchy")
+# an equation `v = op ...` whose op draws random numbers (a replay would repeat the capture's draws)
+RANDOM = re.compile(r"= (?:rand\w*|bernoulli\w*|\w*dropout\w*|normal\w*|multinomial|poisson|exponential\w*|"
+                    r"geometric\w*|cauchy\w*|uniform\w*|log_normal\w*)\b")
 SWITCH = "FNPIPE_CUDA_GRAPHS"
 ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
