@@ -42,7 +42,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -305,27 +305,41 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
           1 if alone else b.world.size, build_s=build_s, first_step_s=first_s, to_first_step_s=build_s + first_s,
           compile_s={str(k): v for k, v in step.compile_seconds.items()},
           rebalanced=None if step.rebalanced is None else str(step.rebalanced), **predicted(step),
-          **graph_memory(b, step, alone))
+          **graph_memory(b, step, alone, lambda: step(local, x, y), residue, res.peak_bytes))
     step.close()
     del step, local
 
 
-def graph_memory(b: Bench, step: engine.Step, alone: bool) -> dict[str, Any]:
-    """With CUDA graphs: each rank's state and pool bytes, and the peak reserved by the allocator over the row
-    (the pool's memory is reserved for the graphs, but the allocator counts none of it as allocated at replay)."""
+def graph_memory(b: Bench, step: engine.Step, alone: bool, one_step: Callable[[], Any], residue: int,
+                 counted: Sequence[int] | None) -> dict[str, Any]:
+    """With CUDA graphs, what a rank holds: the graphs' pool stays reserved between steps while the allocator
+    counts none of it at replay, so the row's peak becomes pool + the allocator's peak over one more (replayed)
+    step, less `residue` (earlier rows' bytes), or the allocator's count over the row where that is higher (the
+    capture step); the allocator's own count stays beside it
+    (`allocator_peak_bytes`). Also each rank's pool bytes and whether it replayed. A collective unless `alone`."""
     graphs = step.executor.graphs
     if graphs is None or b.world.device.type != "cuda":
         return {}
-    mine = [float(pool_bytes(graphs)), float(torch.cuda.max_memory_reserved(b.world.device)),
+    dev = b.world.device
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    one_step()
+    torch.cuda.synchronize(dev)
+    pool = pool_bytes(graphs)
+    mine = [float(pool), float(pool + torch.cuda.max_memory_allocated(dev) - residue),
             1.0 if graphs.state == "replay" else 0.0]
     if alone or not b.world.distributed:
         every = [mine]
     else:
-        t = torch.tensor(mine, dtype=torch.float64, device=b.world.device)
+        t = torch.tensor(mine, dtype=torch.float64, device=dev)
         parts = [torch.empty_like(t) for _ in range(b.world.size)]
         dist.all_gather(parts, t)
         every = [p.tolist() for p in parts]
-    return {"graph_pool_bytes": [int(r[0]) for r in every], "peak_reserved_bytes": [int(r[1]) for r in every],
+    held = [int(r[1]) for r in every]
+    if counted is not None:  # the capture step's own count, where it was higher
+        held = [max(h, c) for h, c in zip(held, counted)]
+    return {"graph_pool_bytes": [int(r[0]) for r in every], "peak_bytes": held,
+            "allocator_peak_bytes": list(counted) if counted is not None else None,
             "graphs_replayed": [bool(r[2]) for r in every]}
 
 
