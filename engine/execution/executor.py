@@ -258,8 +258,8 @@ class Executor:
         key = (call.stage, call.kind, call.accumulate)
         with self._annotation(call):
             if self.graphs is not None and self.graphs.state in ("capture", "replay"):
-                outs = self.graphs.run(id(ins), key, self._part(*key), [*args, *accs],
-                                       lambda: str(getattr(self.infos[call.stage].ad, call.kind).graph))
+                users = [pos for pos, _ in (*call.params, *call.batch)]  # the user's tensors: never written
+                outs = self.graphs.run(id(ins), key, self._part(*key), [*args, *accs], users)
             else:
                 outs = self._part(*key)(*args, *accs)
         self.bufs.update((ref, outs[k]) for k, ref in call.writes)

@@ -97,10 +97,14 @@ def in_steps(step: Any, params: Any, example_batch: Sequence[Any], *, traced: in
     """What `step`'s programs take inside steps: one step on the example batch to settle, then `traced` traced
     ones, every rank's spans gathered (a collective, the same result on every rank). Returns each program's
     median seconds from its inputs' arrival to its end (`profile.from_spans`) and the fastest traced step's
-    seconds (its slowest rank's first-to-last instruction). The step's input checks are left as before any
+    seconds (its slowest rank's first-to-last instruction). With CUDA graphs the step that captures them runs
+    untraced too. The step's input checks are left as before any
     step: the user's first step is still compared across ranks (`check_inputs="first"`)."""
     local = step.shard(params)
     step(local, *example_batch)
+    graphs = step.executor.graphs
+    if graphs is not None and graphs.state == "warm":  # CUDA graphs: the next step captures them; not one to time
+        step(local, *example_batch)
     spans: list[Any] = []
     times = []
     for _ in range(traced):
