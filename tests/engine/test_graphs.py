@@ -16,10 +16,12 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+import ir
 from engine.errors import PlanError
 from engine.execution import graphs as graphs_mod
 from engine.execution.graphs import Graphs, _Tensor
 from engine.execution.inprocess import build_steps, run_steps
+from engine.planning.plan import Plan, StagePlan
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
@@ -74,27 +76,28 @@ def _check(result: Any, params: Any, batch: Sequence[torch.Tensor]) -> None:
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-14), (got - want).abs().max()
 
 
+def _graphed(schedule: str, stages: int, ranks: int, dp: int = 1) -> tuple[Any, Any, list[Any], list[Recorded]]:
+    """(params, batch, each rank's Step, each rank's Recorded graphs): TINY cut evenly into `stages`."""
+    params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
+    fn = make_loss_fn(TINY)
+    n = len(ir.trace(fn, params, *[b[:2] for b in batch]).eqns)
+    options = (("stages_per_rank", stages // ranks),) if schedule == "interleaved-1f1b" else ()
+    plan = Plan(schedule, stages, ranks, dp, 4, tuple(n * k // stages for k in range(1, stages)),
+                stages=tuple(StagePlan(k, 0, 0, 0) for k in range(stages)), schedule_options=options)
+    steps = list(build_steps(fn, params, batch, plan))
+    fakes = [Recorded() for _ in steps]
+    for s, g in zip(steps, fakes):
+        s.executor.graphs = g
+    return params, batch, steps, fakes
+
+
 @pytest.mark.parametrize("schedule,stages,ranks,dp", [("1f1b", 2, 2, 1), ("zbv", 4, 2, 1), ("zb-h1", 3, 3, 1),
                                                       ("interleaved-1f1b", 4, 2, 1), ("1f1b", 2, 2, 2)])
 def test_replayed_steps_give_the_grads_of_torch_func(schedule: str, stages: int, ranks: int, dp: int) -> None:
     """Four steps: eager, capture, replay with a new batch, replay with new parameter tensors; each equals
     torch.func.grad, and every compute instruction after the first step ran as a replay. With dp 2 the grads are
     summed over replicas after the accumulators (the sum hands back views of the flat buffer, not them)."""
-    from engine.planning.plan import Plan, StagePlan
-    import ir
-
-    params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
-    fn = make_loss_fn(TINY)
-    graph = ir.trace(fn, params, *[b[:2] for b in batch])
-    n = len(graph.eqns)
-    cuts = tuple(n * k // stages for k in range(1, stages))
-    options = (("stages_per_rank", stages // ranks),) if schedule == "interleaved-1f1b" else ()
-    plan = Plan(schedule, stages, ranks, dp, 4, cuts, stages=tuple(StagePlan(k, 0, 0, 0) for k in range(stages)),
-                schedule_options=options)
-    steps = build_steps(fn, params, batch, plan)
-    fakes = [Recorded() for _ in steps]
-    for s, g in zip(steps, fakes):
-        s.executor.graphs = g
+    params, batch, steps, fakes = _graphed(schedule, stages, ranks, dp)
     batches = [batch, batch, example_batch(TINY, 8, seed=7), example_batch(TINY, 8, seed=9)]
     given = []  # every step's params and batch, with copies of their values then
     for k, b in enumerate(batches):
@@ -114,16 +117,7 @@ def test_replayed_steps_give_the_grads_of_torch_func(schedule: str, stages: int,
 
 def test_the_step_hands_out_copies_of_its_accumulators() -> None:
     """A later step must not change the grads an earlier one returned (the accumulators are the graphs')."""
-    params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
-    import ir
-    from engine.planning.plan import Plan, StagePlan
-
-    fn = make_loss_fn(TINY)
-    graph = ir.trace(fn, params, *[b[:2] for b in batch])
-    plan = Plan("1f1b", 2, 2, 1, 4, (len(graph.eqns) // 2,), stages=(StagePlan(0, 0, 0, 0), StagePlan(1, 0, 0, 1)))
-    steps = build_steps(fn, params, batch, plan)
-    for s in steps:
-        s.executor.graphs = Recorded()
+    params, batch, steps, _ = _graphed("1f1b", 2, 2)
     kept: list[list[torch.Tensor]] = []
     for k in range(3):
         result = run_steps(steps, params, batch if k < 2 else example_batch(TINY, 8, seed=5))
@@ -168,16 +162,7 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_parameters_changed_in_place_are_copied_again() -> None:
     """An optimizer that updates the parameters in place (torch.optim) hands the same tensors with new values:
     the replay must read the new values (each tensor's version counter says they changed)."""
-    import ir
-    from engine.planning.plan import Plan, StagePlan
-
-    params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
-    fn = make_loss_fn(TINY)
-    graph = ir.trace(fn, params, *[b[:2] for b in batch])
-    plan = Plan("1f1b", 2, 2, 1, 4, (len(graph.eqns) // 2,), stages=(StagePlan(0, 0, 0, 0), StagePlan(1, 0, 0, 1)))
-    steps = build_steps(fn, params, batch, plan)
-    for s in steps:
-        s.executor.graphs = Recorded()
+    params, batch, steps, _ = _graphed("1f1b", 2, 2)
     for k in range(4):
         if k >= 2:
             with torch.no_grad():
