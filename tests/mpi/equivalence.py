@@ -39,9 +39,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(cfg: dict, dtype: torch.dtype, rank: int) -> str:
-    """One configuration: FNPIPE_EQ_STEPS steps (default 1), each against torch.func.grad. Past the first, each
-    step gets another batch and the last one new parameter tensors (a replayed CUDA graph, FNPIPE_CUDA_GRAPHS=1,
-    must copy them in); FNPIPE_EQ_COMPILER picks the compiler (default fx)."""
+    """One configuration: FNPIPE_EQ_STEPS steps (default 1), each against torch.func.grad and leaving the
+    parameters it was given as they were. Past the first, each step gets another batch and the last one new
+    parameter tensors (a replayed CUDA graph, FNPIPE_CUDA_GRAPHS=1, must copy them into its clones);
+    FNPIPE_EQ_COMPILER picks the compiler (default fx)."""
     steps = int(os.environ.get("FNPIPE_EQ_STEPS", "1"))
     params = models.init_params(dtype=dtype, layers=4)
     batch = models.batch(size=16)
@@ -57,7 +58,11 @@ def check(cfg: dict, dtype: torch.dtype, rank: int) -> str:
             params = pytree.tree_map(lambda p: p * 1.01, params)
             local = step.shard(params)
         ref_loss, ref = torch.func.grad_and_value(models.loss_fn)(params, *batch)[::-1]
+        given = [t for t in pytree.tree_leaves(local) if t is not None]
+        before = [t.clone() for t in given]
         loss, grads = step(local, *batch)
+        if not all(torch.equal(t, b) for t, b in zip(given, before)):
+            return f"FAIL rank {rank} {cfg} {str(dtype)[6:]}: step {k + 1} wrote into the parameters it was given"
         errs = [rel_err(loss.cpu(), ref_loss)]
         names = step.graph.input_names
         for name, g, r in zip(names, pytree.tree_leaves(grads, is_leaf=lambda x: x is None), pytree.tree_leaves(ref)):
