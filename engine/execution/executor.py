@@ -257,7 +257,7 @@ class Executor:
             self.capture.setdefault((call.stage, call.kind, call.accumulate), (list(args), accs))
         key = (call.stage, call.kind, call.accumulate)
         with self._annotation(call):
-            if self.graphs is not None and self.graphs.state in ("capture", "replay"):
+            if self.graphs is not None and self.graphs.active:
                 users = [pos for pos, _ in (*call.params, *call.batch)]  # the user's tensors: never written
                 outs = self.graphs.run(id(ins), key, self._part(*key), [*args, *accs], users)
             else:

@@ -46,12 +46,18 @@ SWITCH = "FNPIPE_CUDA_GRAPHS"
 ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether a step on `device` replays CUDA graphs: CUDA only, and `FNPIPE_CUDA_GRAPHS` (default off)."""
+def switch() -> bool:
+    """`FNPIPE_CUDA_GRAPHS` (default off); a value it cannot mean raises PlanError (`engine.init` asks first, on
+    every rank, before any communication)."""
     value = os.environ.get(SWITCH, "0").strip().lower()
     if value not in ON + OFF:
         raise PlanError(f"{SWITCH}={value!r}: set it to 1 (replay each compute as a CUDA graph) or 0 (none)")
-    return device.type == "cuda" and value in ON
+    return value in ON
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether a step on `device` replays CUDA graphs: CUDA only, and `FNPIPE_CUDA_GRAPHS` on."""
+    return switch() and device.type == "cuda"
 
 
 @attrs.frozen

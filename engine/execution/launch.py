@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EngineError, PlanError
-from . import copies, netaddr
+from . import copies, graphs, netaddr
 
 log = logging.getLogger("engine.launch")
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -178,6 +178,7 @@ def init(timeout: float = 60.0) -> World:
     """Join the job: an existing process group, torchrun's env, mpirun's, or run alone."""
     td = datetime.timedelta(seconds=check_timeout(timeout))
     copies.reserve_queues()  # FNPIPE_P2P=copy: hardware queues for its waiting streams, before CUDA starts
+    graphs.switch()  # a bad FNPIPE_CUDA_GRAPHS raises here, on every rank that has it, before any communication
     if dist.is_available() and dist.is_initialized():
         rank, size = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))

@@ -170,3 +170,11 @@ def test_parameters_changed_in_place_are_copied_again() -> None:
                     p.mul_(1.01)
         _check(run_steps(steps, params, batch), params, batch)
     assert all(s.executor.graphs.state == "replay" for s in steps)
+
+
+def test_engine_init_refuses_a_bad_switch_before_any_communication(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine
+
+    monkeypatch.setenv(graphs_mod.SWITCH, "maybe")
+    with pytest.raises(PlanError, match="FNPIPE_CUDA_GRAPHS='maybe'"):
+        engine.init()
