@@ -25,6 +25,12 @@
 #                                             # as a CUDA graph; inductor's Python wrapper against its C++ wrapper
 #   bash benchmarks/h200_session.sh fourgraphs # 4 GPUs: CUDA graphs: equivalence at 2 ranks, zbv at p = 4 with and
 #                                             # without, the one-GPU rows for the share of ideal
+#   bash benchmarks/h200_session.sh fourpower # 4 GPUs: graphs' equivalence at 2 ranks; GPT's one-GPU rows alone, then
+#                                             # on four GPUs at once, then alone (is "of ideal" attainable at p = 4?)
+#   bash benchmarks/h200_session.sh foursettle # 4 GPUs: zbv at p = 4 with graphs, programs timed after 0 / 0.5 / 2 s
+#                                             # of sustained load (FNPIPE_PROFILE_SETTLE): the start-up clock
+#   bash benchmarks/h200_session.sh fourcal   # 4 GPUs: a fresh settled calibration, then zbv at p = 4 with and
+#                                             # without graphs against compiled PyTorch 1F1B, both families
 #   bash benchmarks/h200_session.sh fourcheck # 4 GPUs: gated receives' equivalence over NCCL, the same plan started
 #                                             # three times in one process (restarts.py), one traced zbv step with
 #                                             # the SM clock and power sampled every 10 ms beside it
@@ -35,7 +41,7 @@
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourpower|foursettle|fourcal|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -139,6 +145,67 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       wait
       for f in "$why"/*/spans_*.json; do [ -f "$f" ] && gzip -c "$f" > "$out/why/$(basename "$(dirname "$f")")_$(basename "$f").gz"; done
       for f in "$out"/why/*.txt; do echo "==== $f"; grep -v -E "^\s+[0-9]+: |^\[W|UserWarning|warnings.warn" "$f" | tail -n 60; done
+      ;;
+    fourpower)  # 4 GPUs: does a GPU run the same work slower while the other three run too? (zbv's "of ideal"
+                # divides by a one-GPU row run alone.) GPT's one-GPU rows (eager autograd, fnpipe one stage auto,
+                # 16 blocks, 30 steps) alone on GPU 0, then on all four at once (four processes, no communication),
+                # then alone again; nvidia-smi samples SM clock, power and throttle reasons every 100 ms beside it.
+                # First the CUDA-graph equivalence at 2 ranks (as in fourgraphs)
+      FNPIPE_CUDA_GRAPHS=1 FNPIPE_EQ_STEPS=3 CUDA_VISIBLE_DEVICES=0,1 \
+        timeout "${EQ_TIMEOUT:-150}" mpirun --allow-run-as-root -n 2 python3 tests/mpi/equivalence.py \
+        > "$out/equivalence_graphs.txt" 2>&1
+      echo "CUDA-graph equivalence over NCCL, 2 ranks: exit $?, $(grep -c '^OK' "$out/equivalence_graphs.txt") OK," \
+        "$(grep -c "^FAIL" "$out/equivalence_graphs.txt") FAIL, $(grep -c "compute instructions captured" "$out/equivalence_graphs.txt") captures, $(grep -c "CUDA graphs off" "$out/equivalence_graphs.txt") off"
+      grep -v '^OK' "$out/equivalence_graphs.txt" | grep -v -E "^\[W|warn|INFO\]" | tail -n 12
+      mkdir -p "$out/power"
+      alone() { CUDA_VISIBLE_DEVICES=$1 timeout "$2" python3 benchmarks/gpu_pipeline.py --single --families gpt \
+                  --one-gpu-layers 16 --one-gpu-rows eager,fnpipe --compilers "${COMPILERS:-auto}" --steps 30 \
+                  --out-dir "$out/power/$3" > "$out/power/$3.txt" 2>&1; echo "== $3 (GPU $1): exit $?"; }
+      nvidia-smi --query-gpu=timestamp,index,utilization.gpu,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,noheader -lms 100 > "$out/power/smi.csv" & smi=$!
+      phase() { echo "$1 $(date -u +%Y/%m/%d\ %H:%M:%S.%3N)" >> "$out/power/phases.txt"; }
+      phase solo1; alone 0 170 solo1
+      phase four; pids=(); for g in 0 1 2 3; do alone $g 120 four$g & pids+=($!); done; wait "${pids[@]}"
+      phase solo2; alone 0 90 solo2; phase end
+      kill $smi
+      for f in "$out"/power/solo1.txt "$out"/power/four?.txt "$out"/power/solo2.txt; do
+        echo "==== $f"; grep -E "\] gpt: .* s/step" "$f"; done
+      python3 benchmarks/power_phases.py "$out/power/smi.csv" "$out/power/phases.txt"
+      ;;
+    foursettle)  # 4 GPUs: are the programs timed at start-up faster than in a step because a short burst from
+                 # idle runs at a higher clock than a power-capped step? zbv at p = 4 with CUDA graphs, each family
+                 # launched with the programs timed after 0, 0.5 (the default) and 2 s of them back to back
+                 # (FNPIPE_PROFILE_SETTLE); the measured / programs column is the answer. nvidia-smi beside it
+      calib=(); nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && [ -n "$(ls "$cal"/*.json 2>/dev/null)" ] \
+        && calib=(--calibrate "$cal")
+      mkdir -p "$out/settle"
+      nvidia-smi --query-gpu=timestamp,index,utilization.gpu,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,noheader -lms 100 > "$out/settle/smi.csv" & smi=$!
+      phase() { echo "$1 $(date -u +%Y/%m/%d\ %H:%M:%S.%3N)" >> "$out/settle/phases.txt"; }
+      port=29530
+      for fam in ${families//,/ }; do
+        for settle in ${SETTLES:-0 0.5 2}; do
+          phase "${fam}_$settle"; port=$((port + 1))
+          FNPIPE_PROFILE_SETTLE=$settle bench "${BENCH_TIMEOUT:-150}" 4 $port --budget "${BENCH_BUDGET:-130}" --families "$fam" \
+            "${calib[@]}" --one-gpu-layers 0 --compilers "${COMPILERS:-auto-graphs}" --schedules "${SCHEDULES:-zbv}" \
+            --torch-eager "" --torch-compiled "" --torch-risky "" --timeout 120 --out-dir "$out/settle/${fam}_$settle" \
+            > "$out/settle/${fam}_$settle.txt" 2>&1
+          echo "== $fam settle $settle: exit $?"
+          grep -E "measured / predicted|parallelize to first" "$out/settle/${fam}_$settle.txt"
+          grep -E "^fnpipe " "$out/settle/${fam}_$settle.txt" | tail -n 1
+        done
+      done
+      phase end; kill $smi
+      python3 benchmarks/power_phases.py "$out/settle/smi.csv" "$out/settle/phases.txt"
+      ;;
+    fourcal)  # 4 GPUs: a fresh calibration with its programs timed at a step's clock (FNPIPE_PROFILE_SETTLE), then
+              # zbv at p = 4 with CUDA graphs and without against compiled PyTorch 1F1B, both families: the
+              # planner's prediction and the programs' from settled timings
+      fresh=/tmp/fnpipe_cal_fresh; mkdir -p "$fresh"
+      bench "${BENCH_TIMEOUT:-520}" 4 29540 --budget "${BENCH_BUDGET:-490}" --families "$families" --calibrate "$fresh" \
+        --one-gpu-layers 0 --compilers "${COMPILERS:-auto-graphs,auto}" --schedules "${SCHEDULES:-zbv}" \
+        --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 --out-dir "$out"
+      cp "$fresh"/cal_*.json "$out/" 2>/dev/null
       ;;
     fourdata)  # 4 GPUs: is a program slower in a step because of its data? zbv at p = 4, each program timed in turn
                # on start-up's stand-ins, on the operands a step gave it, and in the step (diagnose_p2.py --real),

@@ -11,6 +11,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import ir
 
+from ..planning.calibration import settle_seconds
 from .calls import Call, Groups, prepare
 from .compilers import COMPILERS, CompileLog, check_compiler, resolve  # noqa: F401 -- check_compiler re-exported
 from .emit import StageInfo
@@ -143,8 +144,11 @@ class Executor:
         measured while the device or host is still busy with what came before reads slow (4 x H100,
         2026-11-26, GPT zbv after a compiled PyTorch row in the same launch: the first stage measured on
         every rank read 1.25-1.94 x the same programs' times in two other launches, the second stage
-        0.97-1.00 x)."""
-        timed = [Profile(cost for runs in self._stand_in_runs(stages, batch) for cost in measure(runs, self.device))
+        0.97-1.00 x). Each pass's first stage runs `settle_seconds` untimed first, the later ones a quarter of
+        it (the device stays busy from one stage to the next), so the device is timed at the clock a step holds."""
+        settle = settle_seconds(self.device)
+        timed = [Profile(cost for k, runs in enumerate(self._stand_in_runs(stages, batch))
+                         for cost in measure(runs, self.device, settle=settle if k == 0 else settle / 4))
                  for _ in range(max(1, passes))]
         return functools.reduce(faster_of, timed).programs
 
@@ -159,7 +163,9 @@ class Executor:
         runs = [[(key, functools.partial(self._part(*key), *args, *[torch.zeros_like(a) for a in accs]))
                  for key, (args, accs) in sorted(captured.items(), key=lambda kv: (order[kv[0][1]], kv[0][2]))
                  if key[0] == s] for s in stages]
-        timed = [Profile(cost for stage_runs in runs for cost in measure(stage_runs, self.device))
+        settle = settle_seconds(self.device)
+        timed = [Profile(cost for k, stage_runs in enumerate(runs)
+                         for cost in measure(stage_runs, self.device, settle=settle if k == 0 else settle / 4))
                  for _ in range(max(1, passes))]
         return functools.reduce(faster_of, timed).programs if timed and runs else ()
 

@@ -22,7 +22,7 @@ import torch
 
 import schedules
 
-from ..planning.calibration import Clock
+from ..planning.calibration import Clock, settling_rounds
 from ..planning.devices import get_device, get_link
 from ..planning.measured import MeasuredScale, Span
 from ..planning.plan import Plan
@@ -89,12 +89,14 @@ def program_label(key: Key) -> str:
     return f"{stage}{KIND[kind]}{'+' if accumulate else ''}"
 
 
-def measure(runs: Sequence[tuple[Key, Run]], device: torch.device, *, reps: int = 3) -> tuple[ProgramCost, ...]:
+def measure(runs: Sequence[tuple[Key, Run]], device: torch.device, *, reps: int = 3, settle: float = 0.0
+            ) -> tuple[ProgramCost, ...]:
     """Each program of `runs` (one stage's, already run once: compiled, kernels loaded) run again under the
-    allocator's peak counter, then all of them timed in turn (`in_turn`), each named by `program_label`."""
+    allocator's peak counter, then all of them timed in turn (`in_turn`) after `settle` seconds of them back to
+    back (`engine.planning.calibration.settle_seconds`), each named by `program_label`."""
     made = [_bytes_made(run, device) for _, run in runs]
     seconds = in_turn([_named(program_label(key), run) for key, run in runs], Clock(device), reps,
-                      between=cold_cache(device) if cold() else None)
+                      between=cold_cache(device) if cold() else None, settle=settle)
     return tuple(ProgramCost(*key, seconds=t, peak_bytes=b) for (key, _), t, b in zip(runs, seconds, made))
 
 
@@ -121,7 +123,8 @@ def cold_cache(device: torch.device) -> Run | None:
     return lambda: scratch.fill_(1)
 
 
-def in_turn(runs: Sequence[Run], clock: Clock, reps: int, *, between: Run | None = None) -> list[float]:
+def in_turn(runs: Sequence[Run], clock: Clock, reps: int, *, between: Run | None = None,
+            settle: float = 0.0) -> list[float]:
     """Seconds of each run as a step sees them: all of them one after another (F, then the backward programs,
     as a step alternates them), `reps` + 1 rounds back to back with no sync between, a clock mark before each
     run; a run's seconds are the median over the rounds after the first of the time from its mark to the
@@ -130,8 +133,13 @@ def in_turn(runs: Sequence[Run], clock: Clock, reps: int, *, between: Run | None
     forward (a thousand small kernels) timed alone counts its launches in full, while in a step they overlap
     the backward before it (one H200, resnet101x4 fx: programs timed alone predicted 1.16 x the step,
     2026-11-26). The first round starts from an idle device and is left out. `between`: run before each run,
-    outside its time (a run is then charged from its mark to a mark right after it)."""
+    outside its time (a run is then charged from its mark to a mark right after it). `settle`: seconds of
+    untimed rounds right before the timed ones, with no sync between (`settle_seconds`)."""
+    settling = settling_rounds(settle, lambda: [run() for run in runs], clock)
     clock.start()
+    for _ in range(settling):
+        for run in runs:
+            run()
     for _ in range(reps + 1):
         for run in runs:
             if between is not None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +35,7 @@ from torch.utils import _pytree as pytree
 import ir
 from ir.device import rank_neutral
 
+from ..errors import PlanError
 from .measured import MeasuredScale, Span
 
 log = logging.getLogger("engine.calibrate")
@@ -312,11 +315,53 @@ def ops_sums(ad: ir.StageAD, g: ir.Graph, cal: Calibration) -> OpsSums:
                    param_grads, missing, len(f_keys) + len(b_keys))
 
 
+SETTLE = "FNPIPE_PROFILE_SETTLE"
+
+
+def settle_seconds(device: torch.device) -> float:
+    """Seconds of untimed runs right before programs are timed, here (`program_seconds`) and before the first
+    stage's programs at start-up (`Executor.measure`) (`FNPIPE_PROFILE_SETTLE`; default SETTLE_CUDA on CUDA,
+    0 elsewhere). A GPU held at its power cap runs a sustained load at a lower clock than a
+    short burst from idle gets: one H100 ran GPT's one-GPU step at a median 1,710 MHz, power-capped on every
+    busy sample (4 x H100, 2026-11-27, `h200_session.sh fourpower`), while a stage's programs timed in turn from
+    idle are a 10-30 ms burst. A step is a sustained load, so its programs are timed at the clock it holds: GPT's
+    zbv at p = 4 ran 1.129 x its programs timed from idle, 1.074 x after 0.5 s of them and 1.047 x after 2 s
+    (4 x H100, `h200_session.sh foursettle`).
+    A value that is not a number >= 0 raises PlanError (`engine.init` asks first, on every rank)."""
+    text = os.environ.get(SETTLE, "").strip()
+    if not text:
+        return SETTLE_CUDA if device.type == "cuda" else 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise PlanError(f"{SETTLE}={text!r}: give the seconds a stage's programs run before they are timed, a "
+                        f"number >= 0 (e.g. {SETTLE_CUDA}; 0 times them from an idle device)")
+    return value
+
+
+SETTLE_CUDA = 1.0
+
+
+def settling_rounds(seconds: float, round_: Callable[[], Any], clock: Clock, most: int = 10_000) -> int:
+    """Run `round_` once, timed, and give how many more rounds take about `seconds` (0 for no settling, else at
+    least one, at most `most`)."""
+    if seconds <= 0:
+        return 0
+    clock.start()
+    clock.mark()
+    round_()
+    clock.mark()
+    one = sum(clock.gaps())
+    return max(1, min(most, math.ceil(seconds / one))) if one > 0 else most
+
+
 def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
                     param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler
                     ) -> tuple[float, float, list[torch.Tensor]]:
     """Seconds a run of the forward and of the fused backward program, one after the other `repeats` times
-    after WARM_ROUNDS untimed rounds, each timed on its own (CUDA events, or the host clock on CPU); the median
+    after WARM_ROUNDS untimed rounds and `settle_seconds` more, each timed on its own (CUDA events, or the host clock on CPU); the median
     round of each (program_scale asks for at least three); and the forward's outputs (`ad.out_slots`)."""
     fwd, bwd = ad.forward, ad.backward
     slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
@@ -334,6 +379,8 @@ def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch
         run_b(*[slots[i] for i in bwd.in_slots], *accs)
 
     for _ in range(WARM_ROUNDS):
+        once(False)
+    for _ in range(settling_rounds(settle_seconds(device), lambda: once(False), clock)):
         once(False)
     clock.start()
     for _ in range(repeats):

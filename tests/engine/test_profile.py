@@ -280,6 +280,49 @@ def test_what_runs_between_programs_is_left_out_of_their_times() -> None:
     assert got == pytest.approx([2.0, 3.0])
 
 
+def test_settling_runs_the_programs_back_to_back_for_the_given_seconds_before_the_timed_rounds() -> None:
+    """`in_turn(..., settle=s)`: one round timed to size the settling, then about `s` seconds of untimed rounds, then
+    the timed rounds; a program that slows under sustained load (a GPU at its power cap) is charged its settled
+    time, not its time fresh from idle."""
+    from engine.execution.profile import in_turn
+
+    clock = ScriptedClock()
+    runs: list[str] = []
+
+    def program(name: str, fresh: float, settled: float):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            clock.t += fresh if len(runs) < 6 else settled  # the first three rounds run fresh from idle
+            runs.append(name)
+        return run
+
+    fresh = in_turn([program("F", 1.0, 1.2), program("B", 2.0, 2.4)], clock, reps=2)  # type: ignore[arg-type]
+    assert runs == ["F", "B"] * 3 and fresh == pytest.approx([1.0, 2.0])
+    runs.clear()
+    settled = in_turn([program("F", 1.0, 1.2), program("B", 2.0, 2.4)], clock, reps=2, settle=7.0)  # type: ignore[arg-type]
+    assert len(runs) == 2 * (1 + 3 + 3)  # one round sizes the settling: 7 s / 3 s a round = 3 rounds, then 1 + 2
+    assert settled == pytest.approx([1.2, 2.4])
+
+
+@pytest.mark.parametrize("text,device,expect", [(None, "cpu", 0.0), (None, "cuda", 1.0), ("0", "cuda", 0.0),
+                                                ("2", "cpu", 2.0), (" 0.25 ", "cuda", 0.25)])
+def test_the_settling_time_is_set_by_fnpipe_profile_settle(monkeypatch, text, device, expect) -> None:  # type: ignore[no-untyped-def]
+    from engine.planning.calibration import SETTLE_CUDA, settle_seconds
+
+    assert SETTLE_CUDA == 1.0
+    if text is None:
+        monkeypatch.delenv("FNPIPE_PROFILE_SETTLE", raising=False)
+    else:
+        monkeypatch.setenv("FNPIPE_PROFILE_SETTLE", text)
+    assert settle_seconds(torch.device(device)) == expect
+
+
+@pytest.mark.parametrize("text", ["soon", "-1", "inf", "nan"])
+def test_a_bad_fnpipe_profile_settle_is_refused_by_engine_init(monkeypatch, text) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("FNPIPE_PROFILE_SETTLE", text)
+    with pytest.raises(engine.PlanError, match="FNPIPE_PROFILE_SETTLE=.*a number >= 0"):
+        engine.init()
+
+
 def test_the_host_clock_times_runs_on_cpu() -> None:
     import time as time_mod
 
@@ -315,16 +358,21 @@ def test_executor_measures_every_stage_twice_and_keeps_the_faster_time(monkeypat
     step = steps[0]
     calls = []
 
+    settles = []
+
     def timed(runs, device, **kw):  # type: ignore[no-untyped-def]
         calls.append(len(runs))
+        settles.append(kw.get("settle"))
         slow = 5.0 if len(calls) == 1 else 1.0  # the first stage of the first pass reads 5 x
         return tuple(ProgramCost(*key, seconds=slow * (1 + i) * 1e-3, peak_bytes=len(calls))
                      for i, (key, _) in enumerate(runs))
 
     monkeypatch.setattr(ex, "measure", timed)
+    monkeypatch.setenv("FNPIPE_PROFILE_SETTLE", "0.8")
     costs = step.executor.measure(step.local_stages)
     stages = len(step.local_stages)
     assert stages == 2 and len(calls) == 2 * stages  # two passes over the rank's two stages
+    assert settles == [0.8, 0.2] * 2  # each pass's first stage settles the device, the next keeps it busy
     for st in step.local_stages:  # each program at its unslowed seconds: (1 + its place in the stage) ms
         mine = sorted(round(c.seconds * 1e3, 9) for c in costs if c.stage == st)
         assert mine == [float(1 + i) for i in range(len(mine))] and mine
