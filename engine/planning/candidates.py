@@ -24,7 +24,7 @@ from .layout import Layout
 from .dp_memory import with_allreduce
 from .memory import MemoryModel, peak_live, rank_peaks, stage_peaks
 from .op_costs import CostModel
-from .split import BlockCosts, Partition
+from .split import BlockCosts, Partition, balance_ranks
 from .stage_costs import RecomputeCosts, StageCost, estimate, exact, exact_blocks, schedule_costs, split_recompute, splits_bw
 
 MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": "stages_per_rank", "looped-bfs": "stages_per_rank",
@@ -197,6 +197,22 @@ class Candidates:
         labels = [_block_label(blocks, k) for k in range(blocks.num_blocks)]
         return split_recompute(rc, layout.num_stages, mode=self.recompute, live=self.live(table), budgets=budgets,
                                memory=self.memory_for(layout), names=labels)
+
+    def balanced(self, layout: Layout, table: schedules.Table, blocks: Blocks, bounds: Sequence[int],
+                 time_scale: Sequence[float] | None = None, saved_scale: Sequence[float] | None = None,
+                 budgets: Sequence[float] | None = None, *, slack: float = 0.0) -> tuple[int, ...]:
+        """`bounds` with its cuts moved so that no rank is busier than it must be (`split.balance_ranks`, no stage
+        more than `slack` slower than its slowest), where a rank holds more than one stage; every stage kept
+        within its budget without recomputation."""
+        if layout.stages_per_rank == 1 or layout.replicated:
+            return tuple(bounds)
+        costs = self.block_costs(blocks, time_scale or [1.0] * blocks.num_blocks,
+                                 saved_scale or [1.0] * blocks.num_blocks)
+        live, memory = self.live(table), self.memory_for(layout)
+        budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
+        return balance_ranks(bounds, [table.rank_of(s) for s in range(layout.num_stages)],
+                             lambda s, i, j: costs.stage_time(i, j),
+                             lambda s, i, j: costs.stage_peak(i, j, live[s], memory) <= budgets[s], slack=slack)
 
     def recompute_costs(self, blocks: Blocks, time_scale: Sequence[float] | None = None,
                         saved_scale: Sequence[float] | None = None) -> RecomputeCosts:

@@ -141,6 +141,47 @@ class BlockCosts:
         return memory.peak(m, live)
 
 
+def balance_ranks(bounds: Sequence[int], rank_of: Sequence[int], time: Callable[[int, Any, Any], Any],
+                  fits: Callable[[int, Any, Any], Any] | None = None, *, slack: float = 0.0,
+                  most: int = 100_000) -> tuple[int, ...]:
+    """`bounds` (a split, stage s on rank rank_of[s]) with its cuts moved so that the busiest rank is as little
+    busy as it can be: a rank runs every stage it holds, so where a rank holds more than one (zbv's V, the
+    interleaved schedules) the split that minimises the slowest stage (`partition`) can leave one rank a
+    stage's difference busier than the rest (GPT zbv at p = 4 on 4 x H100's costs: rank 2 1.07 x the mean).
+    Every combination of each cut moved by at most w blocks (the largest w of 3, 2, 1 with at most `most`
+    combinations) is scored at once (numpy), and the best by (the busiest rank's seconds, then the sum of
+    squares of every rank's) is kept, each stage non-empty, fitting (`fits(s, i, j)`) and at most `slack` slower
+    than the split's slowest stage (ranks balanced with no such bound made stages of 1 and 7 blocks, which
+    simulated 8 % slower there: a long stage holds up every microbatch's flow; with 5 % the step simulated
+    4.6 % faster); the original split wins its ties. Balancing one rank usually moves two or three cuts together (a lighter rank takes a block
+    from its neighbour, which takes one from the busiest), which is why the cuts move jointly. `time(s, i, j)`
+    and `fits` take index arrays (numpy broadcasting, as `partition(grid=True)`'s do)."""
+    b = np.asarray(bounds, dtype=np.int64)
+    cuts, ranks = len(b) - 2, max(rank_of) + 1
+    w = next((w for w in (3, 2, 1) if (2 * w + 1) ** cuts <= most), 0)
+    if cuts <= 0 or w == 0:
+        return tuple(int(x) for x in bounds)
+    moves = np.asarray(list(itertools.product(range(-w, w + 1), repeat=cuts)), dtype=np.int64)
+    moves = moves[np.argsort(np.abs(moves).sum(axis=1), kind="stable")]  # no move first: it wins its ties
+    splits = np.concatenate([np.full((len(moves), 1), b[0]), b[1:-1] + moves, np.full((len(moves), 1), b[-1])], axis=1)
+    splits = splits[np.all(np.diff(splits, axis=1) > 0, axis=1)]
+    loads = np.zeros((len(splits), ranks))
+    usable = np.ones(len(splits), dtype=bool)
+    slowest = max(float(time(st, b[st], b[st + 1])) for st in range(len(b) - 1)) * (1 + slack + 1e-9)
+    for st in range(len(b) - 1):
+        i, j = splits[:, st], splits[:, st + 1]
+        seconds = np.asarray(time(st, i, j), dtype=np.float64)
+        loads[:, rank_of[st]] += seconds
+        usable &= seconds <= slowest  # no stage much slower than the split's slowest: the pipeline's flow stays
+        if fits is not None:
+            usable &= np.asarray(fits(st, i, j), dtype=bool)
+    if not usable.any():
+        return tuple(int(x) for x in bounds)
+    splits, loads = splits[usable], loads[usable]
+    best = np.lexsort(((loads ** 2).sum(axis=1), loads.max(axis=1)))[0]  # the last key is the first compared
+    return tuple(int(x) for x in splits[best])
+
+
 def split_costs(costs: BlockCosts, num_stages: int, *, live: Sequence[int], budgets: Sequence[float],
                 memory: MemoryModel, names: Sequence[str] = ()) -> Partition:
     """The fastest split whose stage s peaks under budgets[s] with live[s] microbatches in flight."""

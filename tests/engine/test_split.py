@@ -119,3 +119,79 @@ def test_grid_dp_is_the_scalar_dp_bit_for_bit(case: tuple[BlockCosts, int, list[
     assert plain_grid == plain_scalar
     rc = RecomputeCosts(costs, tuple(forward[: costs.num_blocks]))
     assert _partition(rc, s, mode, live, budgets, MEMORY) == _scalar_recompute_split(rc, s, mode, live, budgets)
+
+
+def _times(t: list[float]) -> BlockCosts:
+    k = len(t)
+    return BlockCosts(time=tuple(t), param_bytes=(1.0,) * k, saved=(0.0,) * k, cut_bytes=(0.0,) * (k + 1),
+                      cut_time=(0.0,) * (k + 1))
+
+
+def _rank_loads(costs: BlockCosts, bounds: tuple[int, ...], rank_of: list[int]) -> list[float]:
+    loads = [0.0] * (max(rank_of) + 1)
+    for s, (i, j) in enumerate(zip(bounds, bounds[1:])):
+        loads[rank_of[s]] += costs.stage_time(i, j)
+    return loads
+
+
+V3 = [0, 1, 2, 2, 1, 0]  # zbv's V on 3 ranks: rank r holds stages r and 5 - r
+
+
+def test_balancing_moves_cuts_together_to_unload_the_busiest_rank() -> None:
+    """An embedding block of 1.5, sixteen blocks of 1, a head of 2 on zbv's 3-rank V: the slowest-stage split
+    leaves rank 0 (both ends) at 7.5 against 6 and 6. No single cut's move helps (rank 0 gives a block to rank 1
+    only through stage 0's cut, and rank 1 is then the busiest unless rank 2 takes one back); moved together
+    the cuts give 6.5 / 7 / 6, the best any split of these blocks has (the brute force below), with no stage
+    slower than the splitter's slowest."""
+    from engine.planning.split import balance_ranks
+
+    costs = _times([1.5] + [1.0] * 16 + [2.0])
+    dp = partition(costs.num_blocks, 6, lambda s, i, j: costs.stage_time(i, j), grid=True)
+    assert dp is not None and _rank_loads(costs, dp.bounds, V3) == [7.5, 6.0, 6.0]
+    time = lambda s, i, j: costs.stage_time(i, j)  # noqa: E731
+    for c in range(1, 6):  # coordinate descent would stop here: every single move leaves the busiest rank at >= 7.5
+        for pos in range(dp.bounds[c - 1] + 1, dp.bounds[c + 1]):
+            moved = dp.bounds[:c] + (pos,) + dp.bounds[c + 1:]
+            assert max(_rank_loads(costs, moved, V3)) >= 7.0
+    got = balance_ranks(dp.bounds, V3, time)
+    assert max(_rank_loads(costs, got, V3)) == 7.0
+    assert max(costs.stage_time(i, j) for i, j in zip(got, got[1:])) <= dp.bottleneck
+    best = min(max(_rank_loads(costs, (0, *inner, costs.num_blocks), V3))
+               for inner in itertools.combinations(range(1, costs.num_blocks), 5))
+    assert best == 7.0
+
+
+def test_a_balanced_split_comes_back_as_it_was() -> None:
+    from engine.planning.split import balance_ranks
+
+    costs = _times([1.0] * 18)
+    bounds = (0, 3, 6, 9, 12, 15, 18)  # many splits tie with it (moving two cuts by one each way): it wins ties
+    assert _rank_loads(costs, bounds, V3) == [6.0, 6.0, 6.0]
+    assert balance_ranks(bounds, V3, lambda s, i, j: costs.stage_time(i, j)) == bounds
+
+
+def test_balancing_keeps_every_stage_within_its_budget() -> None:
+    """The same blocks with stage 1 allowed at most two blocks' parameters: the balanced split must leave it two."""
+    from engine.planning.split import balance_ranks
+
+    costs = _times([1.5] + [1.0] * 16 + [2.0])
+    fits = lambda s, i, j: (j - i <= 3) if s == 1 else (j - i >= 0)  # noqa: E731
+    bounds = (0, 3, 6, 9, 12, 15, 18)
+    got = balance_ranks(bounds, V3, lambda s, i, j: costs.stage_time(i, j), fits)
+    assert all(bool(fits(s, i, j)) for s, (i, j) in enumerate(zip(got, got[1:])))
+    assert max(_rank_loads(costs, got, V3)) <= 7.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.1, 5.0, allow_nan=False), min_size=6, max_size=12), st.sampled_from([0.0, 0.1, 0.5]))
+def test_balanced_splits_are_valid_and_never_leave_the_busiest_rank_busier(times: list[float], slack: float) -> None:
+    from engine.planning.split import balance_ranks
+
+    costs = _times(times)
+    rank_of = [0, 1, 1, 0]  # zbv's V on 2 ranks
+    dp = partition(costs.num_blocks, 4, lambda s, i, j: costs.stage_time(i, j), grid=True)
+    assert dp is not None
+    got = balance_ranks(dp.bounds, rank_of, lambda s, i, j: costs.stage_time(i, j), slack=slack)
+    assert got[0] == 0 and got[-1] == costs.num_blocks and all(a < b for a, b in zip(got, got[1:]))
+    assert max(_rank_loads(costs, got, rank_of)) <= max(_rank_loads(costs, dp.bounds, rank_of)) + 1e-12
+    assert max(costs.stage_time(i, j) for i, j in zip(got, got[1:])) <= dp.bottleneck * (1 + slack) + 1e-9
