@@ -51,6 +51,19 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} O
 export ENGINE_LOG_LEVEL_RUNTIME=${ENGINE_LOG_LEVEL_RUNTIME:-INFO}  # why a re-split was made or not (engine.execution.rebalance)
 log="$out/log_$part.txt"
 bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchmarks/gpu_pipeline.py "${@:4}"; }
+graphs_equivalence() {  # CUDA graphs' float64 and float32 equivalence over NCCL at 2 ranks (GPUs 0,1), three steps a
+                        # case: eager, capture, replay with another batch and new parameter tensors
+  FNPIPE_CUDA_GRAPHS=1 FNPIPE_EQ_STEPS=3 CUDA_VISIBLE_DEVICES=0,1 \
+    timeout "$1" mpirun --allow-run-as-root -n 2 python3 tests/mpi/equivalence.py > "$out/equivalence_graphs.txt" 2>&1
+  echo "CUDA-graph equivalence over NCCL, 2 ranks: exit $?, $(grep -c '^OK' "$out/equivalence_graphs.txt") OK," \
+    "$(grep -c "^FAIL" "$out/equivalence_graphs.txt") FAIL, $(grep -c "compute instructions captured" "$out/equivalence_graphs.txt") captures, $(grep -c "CUDA graphs off" "$out/equivalence_graphs.txt") off"
+  grep -v '^OK' "$out/equivalence_graphs.txt" | grep -v -E "^\[W|warn|INFO\]" | tail -n 12
+}
+sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms into $1 (benchmarks/power_phases.py);
+                 # run with `&`: exec makes the background job nvidia-smi itself, so `kill $!` stops it
+  exec nvidia-smi --query-gpu=timestamp,index,utilization.gpu,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 100 > "$1"
+}
 {
   date -u; nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv; nvidia-smi topo -m
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
@@ -109,12 +122,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
                  # float32 equivalence over NCCL at 2 ranks first (GPUs 0,1; three steps a case: eager, capture,
                  # replay with another batch and new parameter tensors), then zbv at p = 4 without and with them
                  # in one launch, each family's one-GPU fnpipe rows (without and with) last for the share of ideal
-      FNPIPE_CUDA_GRAPHS=1 FNPIPE_EQ_STEPS=3 CUDA_VISIBLE_DEVICES=0,1 \
-        timeout "${EQ_TIMEOUT:-120}" mpirun --allow-run-as-root -n 2 python3 tests/mpi/equivalence.py \
-        > "$out/equivalence_graphs.txt" 2>&1
-      echo "CUDA-graph equivalence over NCCL, 2 ranks: exit $?, $(grep -c '^OK' "$out/equivalence_graphs.txt") OK," \
-        "$(grep -c "^FAIL" "$out/equivalence_graphs.txt") FAIL, $(grep -c "compute instructions captured" "$out/equivalence_graphs.txt") captures, $(grep -c "CUDA graphs off" "$out/equivalence_graphs.txt") off"
-      grep -v '^OK' "$out/equivalence_graphs.txt" | grep -v -E "^\[W|warn" | tail -n 12
+      graphs_equivalence "${EQ_TIMEOUT:-120}"
       calib=(); nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && [ -n "$(ls "$cal"/*.json 2>/dev/null)" ] \
         && calib=(--calibrate "$cal")  # H100 tables carried in; elsewhere uncalibrated (no time to calibrate)
       bench "${BENCH_TIMEOUT:-440}" 4 29516 --budget "${BENCH_BUDGET:-410}" --families "$families" "${calib[@]}" \
@@ -151,18 +159,12 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
                 # 16 blocks, 30 steps) alone on GPU 0, then on all four at once (four processes, no communication),
                 # then alone again; nvidia-smi samples SM clock, power and throttle reasons every 100 ms beside it.
                 # First the CUDA-graph equivalence at 2 ranks (as in fourgraphs)
-      FNPIPE_CUDA_GRAPHS=1 FNPIPE_EQ_STEPS=3 CUDA_VISIBLE_DEVICES=0,1 \
-        timeout "${EQ_TIMEOUT:-150}" mpirun --allow-run-as-root -n 2 python3 tests/mpi/equivalence.py \
-        > "$out/equivalence_graphs.txt" 2>&1
-      echo "CUDA-graph equivalence over NCCL, 2 ranks: exit $?, $(grep -c '^OK' "$out/equivalence_graphs.txt") OK," \
-        "$(grep -c "^FAIL" "$out/equivalence_graphs.txt") FAIL, $(grep -c "compute instructions captured" "$out/equivalence_graphs.txt") captures, $(grep -c "CUDA graphs off" "$out/equivalence_graphs.txt") off"
-      grep -v '^OK' "$out/equivalence_graphs.txt" | grep -v -E "^\[W|warn|INFO\]" | tail -n 12
+      graphs_equivalence "${EQ_TIMEOUT:-150}"
       mkdir -p "$out/power"
       alone() { CUDA_VISIBLE_DEVICES=$1 timeout "$2" python3 benchmarks/gpu_pipeline.py --single --families gpt \
                   --one-gpu-layers 16 --one-gpu-rows eager,fnpipe --compilers "${COMPILERS:-auto}" --steps 30 \
                   --out-dir "$out/power/$3" > "$out/power/$3.txt" 2>&1; echo "== $3 (GPU $1): exit $?"; }
-      nvidia-smi --query-gpu=timestamp,index,utilization.gpu,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-        --format=csv,noheader -lms 100 > "$out/power/smi.csv" & smi=$!
+      sample_gpus "$out/power/smi.csv" & smi=$!
       phase() { echo "$1 $(date -u +%Y/%m/%d\ %H:%M:%S.%3N)" >> "$out/power/phases.txt"; }
       phase solo1; alone 0 170 solo1
       phase four; pids=(); for g in 0 1 2 3; do alone $g 120 four$g & pids+=($!); done; wait "${pids[@]}"
@@ -179,8 +181,7 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       calib=(); nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && [ -n "$(ls "$cal"/*.json 2>/dev/null)" ] \
         && calib=(--calibrate "$cal")
       mkdir -p "$out/settle"
-      nvidia-smi --query-gpu=timestamp,index,utilization.gpu,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-        --format=csv,noheader -lms 100 > "$out/settle/smi.csv" & smi=$!
+      sample_gpus "$out/settle/smi.csv" & smi=$!
       phase() { echo "$1 $(date -u +%Y/%m/%d\ %H:%M:%S.%3N)" >> "$out/settle/phases.txt"; }
       port=29530
       for fam in ${families//,/ }; do
@@ -200,11 +201,13 @@ bench() { timeout "$1" torchrun --nproc_per_node "$2" --master-port "$3" benchma
       ;;
     fourcal)  # 4 GPUs: a fresh calibration with its programs timed at a step's clock (FNPIPE_PROFILE_SETTLE), then
               # zbv at p = 4 with CUDA graphs and without against compiled PyTorch 1F1B, both families: the
-              # planner's prediction and the programs' from settled timings
+              # planner's prediction and the programs' from settled timings. ONE_GPU_LAYERS=16 adds each family's
+              # one-GPU fnpipe rows (same compilers) for "of ideal" in the same launch (about 100 s more a family)
       fresh=/tmp/fnpipe_cal_fresh; mkdir -p "$fresh"
       bench "${BENCH_TIMEOUT:-520}" 4 29540 --budget "${BENCH_BUDGET:-490}" --families "$families" --calibrate "$fresh" \
-        --one-gpu-layers 0 --compilers "${COMPILERS:-auto-graphs,auto}" --schedules "${SCHEDULES:-zbv}" \
-        --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 --out-dir "$out"
+        --one-gpu-layers "${ONE_GPU_LAYERS:-0}" --one-gpu-rows fnpipe --compilers "${COMPILERS:-auto-graphs,auto}" \
+        --schedules "${SCHEDULES:-zbv}" --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 \
+        --out-dir "$out"
       cp "$fresh"/cal_*.json "$out/" 2>/dev/null
       ;;
     fourdata)  # 4 GPUs: is a program slower in a step because of its data? zbv at p = 4, each program timed in turn
