@@ -354,15 +354,16 @@ def settling_rounds(seconds: float, round_: Callable[[], Any], clock: Clock, mos
     round_()
     clock.mark()
     one = sum(clock.gaps())
-    return max(1, min(most, math.ceil(seconds / one))) if one > 0 else most
+    return max(1, min(most, math.ceil(seconds / one))) if one > 0 else 0  # a round of no time: nothing to settle
 
 
 def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
                     param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler
                     ) -> tuple[float, float, list[torch.Tensor]]:
     """Seconds a run of the forward and of the fused backward program, one after the other `repeats` times
-    after WARM_ROUNDS untimed rounds and `settle_seconds` more, each timed on its own (CUDA events, or the host clock on CPU); the median
-    round of each (program_scale asks for at least three); and the forward's outputs (`ad.out_slots`)."""
+    after WARM_ROUNDS untimed rounds and `settle_seconds` more, each timed on its own (CUDA events, or the host
+    clock on CPU); the median round of each (program_scale asks for at least three); and the forward's outputs
+    (`ad.out_slots`)."""
     fwd, bwd = ad.forward, ad.backward
     slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
     slots.update((i, x.to(device)) for i, x in enumerate(inputs))
@@ -380,9 +381,10 @@ def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch
 
     for _ in range(WARM_ROUNDS):
         once(False)
-    for _ in range(settling_rounds(settle_seconds(device), lambda: once(False), clock)):
+    settling = settling_rounds(settle_seconds(device), lambda: once(False), clock)
+    clock.start()  # before the settling rounds: no sync between them and the timed ones
+    for _ in range(settling):
         once(False)
-    clock.start()
     for _ in range(repeats):
         once(True)
     clock.mark()

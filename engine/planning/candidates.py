@@ -202,17 +202,21 @@ class Candidates:
                  time_scale: Sequence[float] | None = None, saved_scale: Sequence[float] | None = None,
                  budgets: Sequence[float] | None = None, *, slack: float = 0.0) -> tuple[int, ...]:
         """`bounds` with its cuts moved so that no rank is busier than it must be (`split.balance_ranks`, no stage
-        more than `slack` slower than its slowest), where a rank holds more than one stage; every stage kept
-        within its budget without recomputation."""
+        more than `slack` slower than its slowest), where a rank holds more than one stage. No stage may grow
+        past its budget without recomputation, or past its own peak in `bounds` where that is over the budget
+        already (a split made exact can keep a stage over its share while its rank fits: the caller checks the
+        exact ranks)."""
         if layout.stages_per_rank == 1 or layout.replicated:
             return tuple(bounds)
         costs = self.block_costs(blocks, time_scale or [1.0] * blocks.num_blocks,
                                  saved_scale or [1.0] * blocks.num_blocks)
         live, memory = self.live(table), self.memory_for(layout)
         budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
+        room = [max(budgets[s], costs.stage_peak(i, j, live[s], memory))
+                for s, (i, j) in enumerate(zip(bounds, bounds[1:]))]
         return balance_ranks(bounds, [table.rank_of(s) for s in range(layout.num_stages)],
                              lambda s, i, j: costs.stage_time(i, j),
-                             lambda s, i, j: costs.stage_peak(i, j, live[s], memory) <= budgets[s], slack=slack)
+                             lambda s, i, j: costs.stage_peak(i, j, live[s], memory) <= room[s], slack=slack)
 
     def recompute_costs(self, blocks: Blocks, time_scale: Sequence[float] | None = None,
                         saved_scale: Sequence[float] | None = None) -> RecomputeCosts:

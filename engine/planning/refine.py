@@ -55,23 +55,22 @@ def _refine(planner: Candidates, first: Candidate) -> Candidate:
     finally:
         planner.screen = False
     found = _searched(planner, best)
-    if balanced is not None:
-        other = _searched(planner, balanced)  # judged by the order that will run, not by the screening
-        found = other if other.step_time < found.step_time else found
-    searched = planner.schedule in FROM_COSTS and dict(found.options).get("search", True) is not False
-    return _roomier(planner, found, planner.table(found.layout)) if searched else found
+    if balanced is None:
+        return found
+    other = _searched(planner, balanced)  # judged by the order that will run, room and all, not by the screening
+    return other if other.step_time < found.step_time else found
 
 
 def _searched(planner: Candidates, screened: Candidate) -> Candidate:
     """`screened` with the zero-bubble order searched for its stages' costs (schedules.from_costs), unless the
     searched order is slower or overflows a rank: then the screened one stays (its options keep search=False,
-    so the plan runs that order). `_refine` then gives a searched order more room (`_roomier`)."""
+    so the plan runs that order). A searched order is also given more room where that pays (`_roomier`)."""
     if planner.schedule not in FROM_COSTS:
         return screened
     table = planner.table(screened.layout)
     found = planner.evaluate(screened.layout, screened.stages, table, fine=screened.fine, bounds=screened.bounds)
     fits = max(found.rank_memory) <= planner.limit
-    return found if fits and found.step_time <= screened.step_time else screened
+    return _roomier(planner, found, table) if fits and found.step_time <= screened.step_time else screened
 
 
 ROOMS = (2, 4, 8)  # stage-microbatches more per rank that a searched zero-bubble order may hold where memory allows

@@ -143,31 +143,65 @@ class BlockCosts:
 
 def balance_ranks(bounds: Sequence[int], rank_of: Sequence[int], time: Callable[[int, Any, Any], Any],
                   fits: Callable[[int, Any, Any], Any] | None = None, *, slack: float = 0.0,
-                  most: int = 100_000) -> tuple[int, ...]:
+                  most: int = 100_000, rounds: int = 64) -> tuple[int, ...]:
     """`bounds` (a split, stage s on rank rank_of[s]) with its cuts moved so that the busiest rank is as little
     busy as it can be: a rank runs every stage it holds, so where a rank holds more than one (zbv's V, the
     interleaved schedules) the split that minimises the slowest stage (`partition`) can leave one rank a
     stage's difference busier than the rest (GPT zbv at p = 4 on 4 x H100's costs: rank 2 1.07 x the mean).
-    Every combination of each cut moved by at most w blocks (the largest w of 3, 2, 1 with at most `most`
-    combinations) is scored at once (numpy), and the best by (the busiest rank's seconds, then the sum of
-    squares of every rank's) is kept, each stage non-empty, fitting (`fits(s, i, j)`) and at most `slack` slower
-    than the split's slowest stage (ranks balanced with no such bound made stages of 1 and 7 blocks, which
+    Balancing one rank usually moves two or three cuts together (a lighter rank takes a block from its
+    neighbour, which takes one from the busiest), so the cuts move jointly: every combination of each cut moved
+    by at most w blocks (the largest w of 3, 2, 1 with at most `most` combinations), scored at once (numpy);
+    with more cuts than that allows (11 and up), the best move of any two cuts by up to 2 blocks each, again
+    and again (at most `rounds` times) while one helps. Best: (the busiest rank's seconds, then the sum of
+    squares of every rank's), each stage non-empty, fitting (`fits(s, i, j)`) and at most `slack` slower than
+    the split's slowest stage (ranks balanced with no such bound made stages of 1 and 7 blocks, which
     simulated 8 % slower there: a long stage holds up every microbatch's flow; with 5 % the step simulated
-    4.6 % faster); the original split wins its ties. Balancing one rank usually moves two or three cuts together (a lighter rank takes a block
-    from its neighbour, which takes one from the busiest), which is why the cuts move jointly. `time(s, i, j)`
-    and `fits` take index arrays (numpy broadcasting, as `partition(grid=True)`'s do)."""
+    4.6 % faster); the original split wins its ties. `time(s, i, j)` and `fits` take index arrays (numpy
+    broadcasting, as `partition(grid=True)`'s do)."""
     b = np.asarray(bounds, dtype=np.int64)
-    cuts, ranks = len(b) - 2, max(rank_of) + 1
-    w = next((w for w in (3, 2, 1) if (2 * w + 1) ** cuts <= most), 0)
-    if cuts <= 0 or w == 0:
+    cuts = len(b) - 2
+    if cuts <= 0:
         return tuple(int(x) for x in bounds)
+    slowest = max(float(time(st, b[st], b[st + 1])) for st in range(len(b) - 1)) * (1 + slack + 1e-9)
+    w = next((w for w in (3, 2, 1) if (2 * w + 1) ** cuts <= most), 0)
+    if w:
+        return _best_move(b, _joint_moves(cuts, w), rank_of, time, fits, slowest)
+    pairs = _pair_moves(cuts, 2)
+    for _ in range(rounds):
+        moved = np.asarray(_best_move(b, pairs, rank_of, time, fits, slowest), dtype=np.int64)
+        if np.array_equal(moved, b):
+            break
+        b = moved
+    return tuple(int(x) for x in b)
+
+
+def _joint_moves(cuts: int, w: int) -> np.ndarray:
+    """Every move of `cuts` cuts by -w..w blocks each, the smallest first (no move first)."""
     moves = np.asarray(list(itertools.product(range(-w, w + 1), repeat=cuts)), dtype=np.int64)
-    moves = moves[np.argsort(np.abs(moves).sum(axis=1), kind="stable")]  # no move first: it wins its ties
+    return moves[np.argsort(np.abs(moves).sum(axis=1), kind="stable")]
+
+
+def _pair_moves(cuts: int, w: int) -> np.ndarray:
+    """No move, then every move of one or two of `cuts` cuts by -w..w blocks each."""
+    rows = [np.zeros(cuts, dtype=np.int64)]
+    steps = [d for d in range(-w, w + 1) if d]
+    for c1, c2 in itertools.combinations_with_replacement(range(cuts), 2):
+        for d1 in steps:
+            for d2 in (steps if c1 != c2 else [0]):
+                row = np.zeros(cuts, dtype=np.int64)
+                row[c1] += d1
+                row[c2] += d2
+                rows.append(row)
+    return np.stack(rows)
+
+
+def _best_move(b: np.ndarray, moves: np.ndarray, rank_of: Sequence[int], time: Callable[[int, Any, Any], Any],
+               fits: Callable[[int, Any, Any], Any] | None, slowest: float) -> tuple[int, ...]:
+    """The split of `b` moved by the best of `moves` (rows; the first is no move, and wins its ties)."""
     splits = np.concatenate([np.full((len(moves), 1), b[0]), b[1:-1] + moves, np.full((len(moves), 1), b[-1])], axis=1)
     splits = splits[np.all(np.diff(splits, axis=1) > 0, axis=1)]
-    loads = np.zeros((len(splits), ranks))
+    loads = np.zeros((len(splits), max(rank_of) + 1))
     usable = np.ones(len(splits), dtype=bool)
-    slowest = max(float(time(st, b[st], b[st + 1])) for st in range(len(b) - 1)) * (1 + slack + 1e-9)
     for st in range(len(b) - 1):
         i, j = splits[:, st], splits[:, st + 1]
         seconds = np.asarray(time(st, i, j), dtype=np.float64)
@@ -176,7 +210,7 @@ def balance_ranks(bounds: Sequence[int], rank_of: Sequence[int], time: Callable[
         if fits is not None:
             usable &= np.asarray(fits(st, i, j), dtype=bool)
     if not usable.any():
-        return tuple(int(x) for x in bounds)
+        return tuple(int(x) for x in b)
     splits, loads = splits[usable], loads[usable]
     best = np.lexsort(((loads ** 2).sum(axis=1), loads.max(axis=1)))[0]  # the last key is the first compared
     return tuple(int(x) for x in splits[best])
