@@ -160,7 +160,8 @@ def _balanced(planner: Candidates, best: Candidate, made: _Blocks) -> Candidate 
     where a rank holds several stages, the splitter's slowest-stage objective leaves the ranks' sums apart), one
     balanced split for each of SLACKS, each new one made exact: the fastest that fits (screened), or None when
     no new split came of it. `_refine` keeps it only if it is faster once its order is searched too. 4 x H100's
-    costs, GPT zbv at p = 4: the busiest rank 1.073 -> 1.024 x the mean, the step predicted 100.5 -> 95.9 ms.
+    costs, GPT zbv at p = 4: the busiest rank 1.070 -> 1.031 x the mean, the step predicted 100.5 -> 96.5 ms
+    (`benchmarks/plan_zbv.py`).
     Not where a stage recomputes its whole forward (balancing keeps every stage within budget without)."""
     if best.layout.stages_per_rank == 1 or any(level is True for level in best.recompute):
         return None

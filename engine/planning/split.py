@@ -156,7 +156,7 @@ def balance_ranks(bounds: Sequence[int], rank_of: Sequence[int], time: Callable[
     squares of every rank's), each stage non-empty, fitting (`fits(s, i, j)`) and at most `slack` slower than
     the split's slowest stage (ranks balanced with no such bound made stages of 1 and 7 blocks, which
     simulated 8 % slower there: a long stage holds up every microbatch's flow; with 5 % the step simulated
-    4.6 % faster); the original split wins its ties. `time(s, i, j)` and `fits` take index arrays (numpy
+    4 % faster); the original split wins its ties. `time(s, i, j)` and `fits` take index arrays (numpy
     broadcasting, as `partition(grid=True)`'s do)."""
     b = np.asarray(bounds, dtype=np.int64)
     cuts = len(b) - 2
