@@ -55,7 +55,7 @@ def _refine(planner: Candidates, first: Candidate) -> Candidate:
     finally:
         planner.screen = False
     found = _searched(planner, best)
-    if balanced is None:
+    if balanced is None or balanced.step_time > best.step_time * (1 + BALANCE_BAND):
         return found
     other = _searched(planner, balanced)  # judged by the order that will run, room and all, not by the screening
     return other if other.step_time < found.step_time else found
@@ -152,7 +152,8 @@ def _refine_split(planner: Candidates, first: Candidate) -> tuple[Candidate, _Bl
     return best, _Blocks(blocks, time_scale, saved_scale, budgets)
 
 
-SLACKS = (0.0, 0.05, 0.1, 0.2)  # how much slower than the splitter's slowest stage a balanced split's may be
+SLACKS = (0.0, 0.05, 0.1)  # how much slower than the splitter's slowest stage a balanced split's may be
+BALANCE_BAND = 0.02  # a balanced split screened this much slower than the splitter's is not searched (its cost)
 
 
 def _balanced(planner: Candidates, best: Candidate, made: _Blocks) -> Candidate | None:

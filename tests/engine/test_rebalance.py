@@ -70,28 +70,28 @@ def test_programs_that_ran_as_planned_keep_the_plan(schedule: str, layout: dict)
 
 @pytest.mark.parametrize("schedule,layout", SCHEDULES)
 def test_the_last_stage_measured_twice_as_slow_gives_its_equations_away(schedule: str, layout: dict) -> None:
-    """The last stage's programs ran 2 x their planned seconds: its rank gets fewer equations (with one stage a
-    rank, the cut before it moves later; on zbv's V the rank also holds stage 0 and may give those away
-    instead, as the per-rank balancing of `refine._balanced` does), the new split is predicted faster than the
-    running step's prediction from its measured programs, and the old cuts costed under the scale carry the
-    2 x on the last stage only."""
+    """The last stage's programs ran 2 x their planned seconds: its rank gets less work under the measured scale
+    (with one stage a rank, the cut before it moves later; on zbv's V the rank also holds stage 0 and may give
+    those equations away instead, as the per-rank balancing of `refine._balanced` does), the new split is
+    predicted faster than the running step's prediction from its measured programs, and the old cuts costed
+    under the scale carry the 2 x on the last stage only."""
     planned = _search(schedule, layout)
     last = planned.plan.num_stages - 1
     programs = [assemble(planned, r) for r in range(2)]
     slow = _slowed(planned, last, 2.0)
     found = rebalance(planned, programs, slow, _replan(schedule, layout))
     assert found is not None
+    kept = _search(schedule, layout, cuts=planned.plan.cuts, measured=found.scale).plan
 
-    def eqns_on(plan, rank: int) -> int:  # type: ignore[no-untyped-def]
-        return sum(st.stop - st.start for st in plan.stages if st.rank == rank)
+    def work_on(plan, rank: int) -> float:  # type: ignore[no-untyped-def]
+        return sum(st.time for st in plan.stages if st.rank == rank)
 
     slowed_rank = planned.plan.stages[last].rank
-    assert eqns_on(found.planned.plan, slowed_rank) < eqns_on(planned.plan, slowed_rank)
+    assert work_on(found.planned.plan, slowed_rank) < work_on(kept, slowed_rank)
     if planned.plan.num_stages == planned.plan.pipeline_depth:
         assert found.planned.plan.cuts[-1] > planned.plan.cuts[-1]
     assert found.before == predicted_step_time(planned.plan, planned.table, programs, slow)
     assert found.after < 0.97 * found.before
-    kept = _search(schedule, layout, cuts=planned.plan.cuts, measured=found.scale).plan
     was, now = planned.plan.stages[last], kept.stages[last]  # the old cuts under the scale: 2 x stage `last`
     assert now.forward_time == pytest.approx(2 * was.forward_time, rel=1e-9)
     assert now.backward_input_time + now.backward_weight_time == pytest.approx(
