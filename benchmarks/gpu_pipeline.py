@@ -396,7 +396,7 @@ def one_device_rows(b: Bench) -> None:
                                                   b.measure(grad_step(b), loss_of=float, label="grad",
                                                             across_ranks=False), 1)) if "grad" in wanted else None,
                 *[(f"fnpipe 1-stage {c}", lambda c=c: run_fnpipe(b, "1f1b", compiler=c, alone=True))
-                  for c in _items(b.args.compilers)
+                  for c in _items(b.args.one_gpu_compilers or b.args.compilers)
                   if "fnpipe" in wanted and set(c.split("-")[1:]) <= {"graphs"}]]  # one stage: no split to keep
         for label, run in [r for r in rows if r is not None]:
             if b.guard.elapsed() + b.args.min_row > b.guard.budget:  # rank 0 alone: its own clock decides
@@ -484,6 +484,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "start with less than --min-row left are skipped")
     ap.add_argument("--min-row", type=float, default=40.0)
     ap.add_argument("--one-gpu-layers", type=int, default=8, help="blocks of the one-device rows' model (0: skip)")
+    ap.add_argument("--one-gpu-compilers", default="", help="the one-device fnpipe rows' compilers (empty: "
+                    "--compilers')")
     ap.add_argument("--one-gpu-rows", default="eager,grad,fnpipe", help="which one-device rows: eager autograd, "
                     "torch.func.grad, fnpipe one stage (per compiler)")
     ap.add_argument("--seed", type=int, default=0)

@@ -202,10 +202,12 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
     fourcal)  # 4 GPUs: a fresh calibration with its programs timed at a step's clock (FNPIPE_PROFILE_SETTLE), then
               # zbv at p = 4 with CUDA graphs and without against compiled PyTorch 1F1B, both families: the
               # planner's prediction and the programs' from settled timings. ONE_GPU_LAYERS=16 adds each family's
-              # one-GPU fnpipe rows (same compilers) for "of ideal" in the same launch (about 100 s more a family)
+              # one-GPU fnpipe rows (same compilers, or ONE_GPU_COMPILERS) for "of ideal" in the same launch
+              # (about 100 s more a family and compiler)
       fresh=/tmp/fnpipe_cal_fresh; mkdir -p "$fresh"
       bench "${BENCH_TIMEOUT:-520}" 4 29540 --budget "${BENCH_BUDGET:-490}" --families "$families" --calibrate "$fresh" \
-        --one-gpu-layers "${ONE_GPU_LAYERS:-0}" --one-gpu-rows fnpipe --compilers "${COMPILERS:-auto-graphs,auto}" \
+        --one-gpu-layers "${ONE_GPU_LAYERS:-0}" --one-gpu-rows fnpipe --one-gpu-compilers "${ONE_GPU_COMPILERS:-}" \
+        --compilers "${COMPILERS:-auto-graphs,auto}" \
         --schedules "${SCHEDULES:-zbv}" --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 \
         --out-dir "$out"
       cp "$fresh"/cal_*.json "$out/" 2>/dev/null

@@ -155,7 +155,8 @@ class Candidates:
             param_bytes=tuple(float(sum(blocks.param_bytes[p] for p in ps)) for ps in blocks.params),
             saved=tuple(blocks.saved[k] * saved_scale[k] for k in range(blocks.num_blocks)),
             cut_bytes=tuple(float(b) for b in blocks.cut_bytes),
-            cut_time=tuple(self.model.comm_time(b) for b in blocks.cut_bytes))
+            cut_time=tuple(self.model.comm_time(b) for b in blocks.cut_bytes),
+            forward=tuple(blocks.forward[k] * time_scale[k] for k in range(blocks.num_blocks)))
 
     def evaluate(self, layout: Layout, stages: tuple[StageCost, ...], table: schedules.Table, *,
                  fine: bool = False, bounds: tuple[int, ...] = (), screen: bool | None = None,
@@ -200,7 +201,8 @@ class Candidates:
 
     def balanced(self, layout: Layout, table: schedules.Table, blocks: Blocks, bounds: Sequence[int],
                  time_scale: Sequence[float] | None = None, saved_scale: Sequence[float] | None = None,
-                 budgets: Sequence[float] | None = None, *, slack: float = 0.0) -> tuple[int, ...]:
+                 budgets: Sequence[float] | None = None, *, slack: float = 0.0, ahead: bool = True
+                 ) -> tuple[int, ...]:
         """`bounds` with its cuts moved so that no rank is busier than it must be (`split.balance_ranks`, no stage
         more than `slack` slower than its slowest), where a rank holds more than one stage. No stage may grow
         past its budget without recomputation, or past its own peak in `bounds` where that is over the budget
@@ -214,9 +216,12 @@ class Candidates:
         budgets = budgets or [self.limit / layout.stages_per_rank] * layout.num_stages
         room = [max(budgets[s], costs.stage_peak(i, j, live[s], memory))
                 for s, (i, j) in enumerate(zip(bounds, bounds[1:]))]
+        filled = splits_bw(table)  # the weight passes fill the end: only the first forward holds a rank up
         return balance_ranks(bounds, [table.rank_of(s) for s in range(layout.num_stages)],
                              lambda s, i, j: costs.stage_time(i, j),
-                             lambda s, i, j: costs.stage_peak(i, j, live[s], memory) <= room[s], slack=slack)
+                             lambda s, i, j: costs.stage_peak(i, j, live[s], memory) <= room[s], slack=slack,
+                             ahead=(lambda s, i, j: costs.stage_ahead(i, j, backward=not filled)) if ahead else None,
+                             microbatches=layout.microbatches)
 
     def recompute_costs(self, blocks: Blocks, time_scale: Sequence[float] | None = None,
                         saved_scale: Sequence[float] | None = None) -> RecomputeCosts:

@@ -105,16 +105,21 @@ class BlockCosts:
     saved: tuple[float, ...]         # activation bytes kept per microbatch in flight
     cut_bytes: tuple[float, ...]     # K+1: bytes crossing each bound, 0 at both ends
     cut_time: tuple[float, ...]      # K+1: seconds to send them
+    forward: tuple[float, ...] = ()  # F per microbatch, part of `time` (empty: taken as none)
     _time_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
     _param_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
     _saved_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
+    _forward_sum: tuple[float, ...] = attrs.field(init=False, repr=False, eq=False)
     _arrays: dict[str, np.ndarray] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        for name, values in (("_time_sum", self.time), ("_param_sum", self.param_bytes), ("_saved_sum", self.saved)):
+        forward = self.forward or (0.0,) * len(self.time)
+        for name, values in (("_time_sum", self.time), ("_param_sum", self.param_bytes), ("_saved_sum", self.saved),
+                             ("_forward_sum", forward)):
             object.__setattr__(self, name, tuple(itertools.accumulate(values, initial=0.0)))
         object.__setattr__(self, "_arrays", {name: np.asarray(getattr(self, name), dtype=np.float64) for name in
-                                             ("_time_sum", "_param_sum", "_saved_sum", "cut_bytes", "cut_time")})
+                                             ("_time_sum", "_param_sum", "_saved_sum", "_forward_sum", "cut_bytes",
+                                              "cut_time")})
 
     def sums(self, i: Any) -> Callable[[str], Any]:
         """The prefix sums and per-bound values by name: tuples for int indices, numpy arrays for index
@@ -133,6 +138,15 @@ class BlockCosts:
         t, c = at("_time_sum"), at("cut_time")
         return t[j] - t[i] + c[i] + c[j]
 
+    def stage_ahead(self, i: Any, j: Any, *, backward: bool) -> Any:
+        """Seconds a stage of blocks [i, j) holds up the stages after it once a step: its forward and the send
+        after it; with `backward`, its backward and the send before it as well (all of `stage_time`)."""
+        if backward:
+            return self.stage_time(i, j)
+        at = self.sums(i)
+        f, c = at("_forward_sum"), at("cut_time")
+        return f[j] - f[i] + c[j]
+
     def stage_peak(self, i: Any, j: Any, live: int, memory: MemoryModel) -> Any:
         """Peak bytes of a stage of blocks [i, j) with `live` microbatches in flight."""
         at = self.sums(i)
@@ -143,6 +157,7 @@ class BlockCosts:
 
 def balance_ranks(bounds: Sequence[int], rank_of: Sequence[int], time: Callable[[int, Any, Any], Any],
                   fits: Callable[[int, Any, Any], Any] | None = None, *, slack: float = 0.0,
+                  ahead: Callable[[int, Any, Any], Any] | None = None, microbatches: int = 1,
                   most: int = 100_000, rounds: int = 64) -> tuple[int, ...]:
     """`bounds` (a split, stage s on rank rank_of[s]) with its cuts moved so that the busiest rank is as little
     busy as it can be: a rank runs every stage it holds, so where a rank holds more than one (zbv's V, the
@@ -151,24 +166,29 @@ def balance_ranks(bounds: Sequence[int], rank_of: Sequence[int], time: Callable[
     Balancing one rank usually moves two or three cuts together (a lighter rank takes a block from its
     neighbour, which takes one from the busiest), so the cuts move jointly: every combination of each cut moved
     by at most w blocks (the largest w of 3, 2, 1 with at most `most` combinations), scored at once (numpy);
-    with more cuts than that allows (11 and up), the best move of any two cuts by up to 2 blocks each, again
-    and again (at most `rounds` times) while one helps. Best: (the busiest rank's seconds, then the sum of
+    with more cuts than that allows (11 and up), the best move of any two cuts by up to 2 blocks each; either
+    again and again (at most `rounds` times) while one helps. Best: (the busiest rank's seconds, then the sum of
     squares of every rank's), each stage non-empty, fitting (`fits(s, i, j)`) and at most `slack` slower than
     the split's slowest stage (ranks balanced with no such bound made stages of 1 and 7 blocks, which
     simulated 8 % slower there: a long stage holds up every microbatch's flow; with 5 % the step simulated
     4 % faster); the original split wins its ties. `time(s, i, j)` and `fits` take index arrays (numpy
-    broadcasting, as `partition(grid=True)`'s do)."""
+    broadcasting, as `partition(grid=True)`'s do).
+    A rank's busy time is `microbatches` x its seconds a microbatch plus, with `ahead(s, i, j)` (seconds, index
+    arrays too), what the stages before its first hold it up once a step: nothing reaches rank r before the
+    first microbatch's forward has passed the stages ahead of it, and where no weight pass is left to fill the
+    end, it also finishes their backward's chain early. On zbv's V at p = 4 that is F0 + F1 + F2 at the start
+    of rank 3 (4.7 ms of GPT's 96.5 ms step on 4 x H100's costs), so balanced by work alone rank 3 set the
+    step (`Candidates.balanced` passes both)."""
     b = np.asarray(bounds, dtype=np.int64)
     cuts = len(b) - 2
     if cuts <= 0:
         return tuple(int(x) for x in bounds)
     slowest = max(float(time(st, b[st], b[st + 1])) for st in range(len(b) - 1)) * (1 + slack + 1e-9)
     w = next((w for w in (3, 2, 1) if (2 * w + 1) ** cuts <= most), 0)
-    if w:
-        return _best_move(b, _joint_moves(cuts, w), rank_of, time, fits, slowest)
-    pairs = _pair_moves(cuts, 2)
+    busy = _Busy(rank_of, time, fits, slowest, ahead, microbatches)
+    moves = _joint_moves(cuts, w) if w else _pair_moves(cuts, 2)
     for _ in range(rounds):
-        moved = np.asarray(_best_move(b, pairs, rank_of, time, fits, slowest), dtype=np.int64)
+        moved = np.asarray(busy.best_move(b, moves), dtype=np.int64)
         if np.array_equal(moved, b):
             break
         b = moved
@@ -195,25 +215,47 @@ def _pair_moves(cuts: int, w: int) -> np.ndarray:
     return np.stack(rows)
 
 
-def _best_move(b: np.ndarray, moves: np.ndarray, rank_of: Sequence[int], time: Callable[[int, Any, Any], Any],
-               fits: Callable[[int, Any, Any], Any] | None, slowest: float) -> tuple[int, ...]:
-    """The split of `b` moved by the best of `moves` (rows; the first is no move, and wins its ties)."""
-    splits = np.concatenate([np.full((len(moves), 1), b[0]), b[1:-1] + moves, np.full((len(moves), 1), b[-1])], axis=1)
-    splits = splits[np.all(np.diff(splits, axis=1) > 0, axis=1)]
-    loads = np.zeros((len(splits), max(rank_of) + 1))
-    usable = np.ones(len(splits), dtype=bool)
-    for st in range(len(b) - 1):
-        i, j = splits[:, st], splits[:, st + 1]
-        seconds = np.asarray(time(st, i, j), dtype=np.float64)
-        loads[:, rank_of[st]] += seconds
-        usable &= seconds <= slowest  # no stage much slower than the split's slowest: the pipeline's flow stays
-        if fits is not None:
-            usable &= np.asarray(fits(st, i, j), dtype=bool)
-    if not usable.any():
-        return tuple(int(x) for x in b)
-    splits, loads = splits[usable], loads[usable]
-    best = np.lexsort(((loads ** 2).sum(axis=1), loads.max(axis=1)))[0]  # the last key is the first compared
-    return tuple(int(x) for x in splits[best])
+@attrs.frozen
+class _Busy:
+    """How busy each rank is under a split (`balance_ranks`'s score) and the best of a set of moves by it."""
+
+    rank_of: Sequence[int]
+    time: Callable[[int, Any, Any], Any]
+    fits: Callable[[int, Any, Any], Any] | None
+    slowest: float
+    ahead: Callable[[int, Any, Any], Any] | None
+    microbatches: int
+
+    def best_move(self, b: np.ndarray, moves: np.ndarray) -> tuple[int, ...]:
+        """The split of `b` moved by the best of `moves` (rows; the first is no move, and wins its ties)."""
+        splits = np.concatenate([np.full((len(moves), 1), b[0]), b[1:-1] + moves, np.full((len(moves), 1), b[-1])],
+                                axis=1)
+        splits = splits[np.all(np.diff(splits, axis=1) > 0, axis=1)]
+        busy, usable = self.busy(splits)
+        if not usable.any():
+            return tuple(int(x) for x in b)
+        splits, busy = splits[usable], busy[usable]
+        best = np.lexsort(((busy ** 2).sum(axis=1), busy.max(axis=1)))[0]  # the last key is the first compared
+        return tuple(int(x) for x in splits[best])
+
+    def busy(self, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each split's (rows) seconds per rank, and which splits are usable: no stage much slower than the
+        split's slowest (the pipeline's flow stays), every stage fitting."""
+        stages = splits.shape[1] - 1
+        busy = np.zeros((len(splits), max(self.rank_of) + 1))
+        held = np.zeros((len(splits), stages + 1))  # held[:, s]: what stages 0..s-1 hold up the ranks after them
+        usable = np.ones(len(splits), dtype=bool)
+        for st in range(stages):
+            i, j = splits[:, st], splits[:, st + 1]
+            seconds = np.asarray(self.time(st, i, j), dtype=np.float64)
+            busy[:, self.rank_of[st]] += seconds * self.microbatches
+            usable &= seconds <= self.slowest
+            if self.fits is not None:
+                usable &= np.asarray(self.fits(st, i, j), dtype=bool)
+            held[:, st + 1] = held[:, st] + (0.0 if self.ahead is None else np.asarray(self.ahead(st, i, j)))
+        for r in range(busy.shape[1]):
+            busy[:, r] += held[:, list(self.rank_of).index(r)]
+        return busy, usable
 
 
 def split_costs(costs: BlockCosts, num_stages: int, *, live: Sequence[int], budgets: Sequence[float],

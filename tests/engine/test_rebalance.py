@@ -69,16 +69,17 @@ def test_programs_that_ran_as_planned_keep_the_plan(schedule: str, layout: dict)
 
 
 @pytest.mark.parametrize("schedule,layout", SCHEDULES)
-def test_the_last_stage_measured_twice_as_slow_gives_its_equations_away(schedule: str, layout: dict) -> None:
-    """The last stage's programs ran 2 x their planned seconds: its rank gets less work under the measured scale
+def test_the_last_stage_measured_three_times_as_slow_gives_its_equations_away(schedule: str, layout: dict) -> None:
+    """The last stage's programs ran 3 x their planned seconds: its rank gets less work under the measured scale
     (with one stage a rank, the cut before it moves later; on zbv's V the rank also holds stage 0 and may give
     those equations away instead, as the per-rank balancing of `refine._balanced` does), the new split is
     predicted faster than the running step's prediction from its measured programs, and the old cuts costed
-    under the scale carry the 2 x on the last stage only."""
+    under the scale carry the 3 x on the last stage only."""
     planned = _search(schedule, layout)
     last = planned.plan.num_stages - 1
     programs = [assemble(planned, r) for r in range(2)]
-    slow = _slowed(planned, last, 2.0)
+    slow = _slowed(planned, last, 3.0)  # 2 x is not enough everywhere: interleaved-1f1b's planner gives the last
+    # stage (layers.7 and the head) a light load already, which at 2 x evens its rank with the other
     found = rebalance(planned, programs, slow, _replan(schedule, layout))
     assert found is not None
     kept = _search(schedule, layout, cuts=planned.plan.cuts, measured=found.scale).plan
@@ -92,10 +93,10 @@ def test_the_last_stage_measured_twice_as_slow_gives_its_equations_away(schedule
         assert found.planned.plan.cuts[-1] > planned.plan.cuts[-1]
     assert found.before == predicted_step_time(planned.plan, planned.table, programs, slow)
     assert found.after < 0.97 * found.before
-    was, now = planned.plan.stages[last], kept.stages[last]  # the old cuts under the scale: 2 x stage `last`
-    assert now.forward_time == pytest.approx(2 * was.forward_time, rel=1e-9)
+    was, now = planned.plan.stages[last], kept.stages[last]  # the old cuts under the scale: 3 x stage `last`
+    assert now.forward_time == pytest.approx(3 * was.forward_time, rel=1e-9)
     assert now.backward_input_time + now.backward_weight_time == pytest.approx(
-        2 * (was.backward_input_time + was.backward_weight_time), rel=1e-9)
+        3 * (was.backward_input_time + was.backward_weight_time), rel=1e-9)
     assert kept.stages[0].forward_time == pytest.approx(planned.plan.stages[0].forward_time, rel=1e-9)
 
 
@@ -169,15 +170,16 @@ def test_a_range_takes_its_equations_ratios_weighted_by_their_forward_times() ->
 
 @pytest.mark.mpi
 def test_parallelize_rebalances_under_mpirun_and_the_new_split_equals_func_grad(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Two ranks, every schedule family: the last stage measured 3 x slow (seconds from each program's equation count,
-    not the clock) makes parallelize(rebalance=True) re-split before the first step; both ranks move to the same
-    cuts, and loss and every grad leaf equal torch.func.grad's in float64, for our test model and transformers'
-    Llama. A re-split whose own programs measure slower goes back to the planner's cuts; a stage measured 3 x
-    slow once and at its clock's seconds when measured again ends on the cuts of a launch without the hiccup; a
-    rank whose re-split raises tells the other before either raises. With plan_cache the entry keeps the
-    planner's plan and a second launch re-splits from it to the same cuts (the test's measurements are
-    deterministic). With rebalance="step" the stage times come from traced steps (made deterministic the same
-    way): the re-split is kept where its traced steps run faster, else the planner's cuts are started again."""
+    """Two ranks, every schedule family: the last stage measured 3 x slow (transformers' Llama's 6 x: at 3 x the
+    planner's split, its ranks balanced, stays the best; seconds from each program's equation count, not the clock)
+    makes parallelize(rebalance=True) re-split before the first step; both ranks move to the same cuts, and loss and
+    every grad leaf equal torch.func.grad's in float64, for our test model and transformers' Llama. A re-split whose
+    own programs measure slower goes back to the planner's cuts; a stage measured 3 x slow once and at its clock's
+    seconds when measured again ends on the cuts of a launch without the hiccup; a rank whose re-split raises tells
+    the other before either raises. With plan_cache the entry keeps the planner's plan and a second launch re-splits
+    from it to the same cuts (the test's measurements are deterministic). With rebalance="step" the stage times come
+    from traced steps (made deterministic the same way): the re-split is kept where its traced steps run faster, else
+    the planner's cuts are started again."""
     import re
     import sys
 

@@ -214,3 +214,48 @@ def test_with_too_many_cuts_to_move_jointly_the_best_pair_moves_still_balance(ra
     got = balance_ranks(dp.bounds, rank_of, lambda s, i, j: costs.stage_time(i, j))
     assert max(_rank_loads(costs, got, rank_of)) == 7.0
     assert max(costs.stage_time(i, j) for i, j in zip(got, got[1:])) <= dp.bottleneck
+
+
+def _v_makespan(bounds: tuple[int, ...], rank_of: list[int], f: float, b: float, w: float, m: int) -> float:
+    """The step of the order built for a split of equal blocks (F f, B b, W w each), free transfers."""
+    from schedules.from_costs import build_from_costs, costs_of
+    from schedules.simulate import simulate
+
+    sizes = [j - i for i, j in zip(bounds, bounds[1:])]
+    times = (tuple(f * n for n in sizes), tuple(b * n for n in sizes), tuple(w * n for n in sizes),
+             (0.0,) * len(sizes))
+    table = build_from_costs(tuple(rank_of), m, times, (4 * (max(rank_of) + 1),) * (max(rank_of) + 1))
+    return simulate(table, costs_of(times)).makespan
+
+
+def test_balancing_counts_the_forwards_ahead_of_each_rank() -> None:
+    """zbv's V on 4 ranks, 36 equal blocks (F 1, B 1.2, W 0.9), 8 microbatches. Nothing reaches rank 3 before the
+    first microbatch's forward has passed stages 0-2, and no rank can fill that wait, so a split that evens the
+    ranks' work alone leaves rank 3 the last to finish. Both splits give every rank 9 blocks; counting the
+    forwards ahead of each rank puts the shorter stages first (rank 3 waits for 12 blocks' forwards, not 15),
+    and the order built for that split simulates 1.3 % faster (238.2 -> 235.2)."""
+    from engine.planning.split import balance_ranks
+
+    k, m, rank_of = 36, 8, [0, 1, 2, 3, 3, 2, 1, 0]
+    costs = BlockCosts(time=(3.1,) * k, param_bytes=(1.0,) * k, saved=(0.0,) * k, cut_bytes=(0.0,) * (k + 1),
+                       cut_time=(0.0,) * (k + 1), forward=(1.0,) * k)
+    dp = partition(k, 8, lambda s, i, j: costs.stage_time(i, j), grid=True)
+    assert dp is not None
+    time = lambda s, i, j: costs.stage_time(i, j)  # noqa: E731
+    plain = balance_ranks(dp.bounds, rank_of, time, microbatches=m)
+    ahead = balance_ranks(dp.bounds, rank_of, time, microbatches=m,
+                          ahead=lambda s, i, j: costs.stage_ahead(i, j, backward=False))
+    assert _rank_loads(costs, plain, rank_of) == pytest.approx([3.1 * 9] * 4)
+    assert _rank_loads(costs, ahead, rank_of) == pytest.approx([3.1 * 9] * 4)
+    assert (plain[3], ahead[3]) == (15, 12)  # the blocks before rank 3's first stage
+    assert max(costs.stage_time(i, j) for i, j in zip(ahead, ahead[1:])) <= dp.bottleneck + 1e-9
+    assert _v_makespan(plain, rank_of, 1.0, 1.2, 0.9, m) == pytest.approx(238.2)
+    assert _v_makespan(ahead, rank_of, 1.0, 1.2, 0.9, m) == pytest.approx(235.2)
+
+
+def test_what_a_stage_holds_up_is_its_forward_and_send_or_all_of_it() -> None:
+    costs = BlockCosts(time=(3.0, 5.0, 4.0), param_bytes=(0.0,) * 3, saved=(0.0,) * 3, cut_bytes=(0.0,) * 4,
+                       cut_time=(0.0, 0.25, 0.5, 0.0), forward=(1.0, 2.0, 1.5))
+    assert costs.stage_ahead(0, 2, backward=False) == 3.0 + 0.5  # F of blocks 0-1 and the send over cut 2
+    assert costs.stage_ahead(1, 3, backward=True) == costs.stage_time(1, 3) == 9.0 + 0.25
+    assert _times([1.0, 2.0]).stage_ahead(0, 2, backward=False) == 0.0  # no forward given: nothing held up

@@ -29,10 +29,10 @@ def slow_last(self, stages, **kw):  # type: ignore[no-untyped-def]
     compiler sped up less than the others); the programs still run and are timed."""
     costs = real_measure(self, stages, **kw)
     return tuple(attrs.evolve(c, seconds=1e-4 * len(getattr(self.infos[c.stage].ad, c.kind).graph.eqns)
-                              * (3 if c.stage == STATE["last"] else 1)) for c in costs)
+                              * (STATE["factor"] if c.stage == STATE["last"] else 1)) for c in costs)
 
 
-STATE = {"last": -1}
+STATE = {"last": -1, "factor": 3}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,14 +60,14 @@ def check(schedule: str, v: int, rank: int) -> str:
 
 def transformers_llama(rank: int, mode: bool | str = True) -> str:
     """A model we did not write: transformers' Llama (tiny config, float64, 4 stages of zbv) re-split from its
-    last stage measured 3 x slow (`mode` True: the programs measured in turn; "step": inside traced steps);
+    last stage measured 6 x slow (`mode` True: the programs measured in turn; "step": inside traced steps);
     loss and every grad leaf against torch.func.grad."""
     from engine.execution import rebalance as rebalancing
     from tests.models.zoo import causal_lm
 
     case = causal_lm("llama")
     ref_loss, ref = torch.func.grad_and_value(case.fn)(case.params, *case.batch)[::-1]
-    STATE["last"] = 3
+    STATE["last"], STATE["factor"] = 3, 6  # at 3 x the planner's split (its ranks balanced) is still the best
     executor.Executor.measure = slow_last
     real, calls = rebalancing.in_steps, []
     rebalancing.in_steps = deterministic_in_steps(real, calls)
@@ -79,6 +79,7 @@ def transformers_llama(rank: int, mode: bool | str = True) -> str:
             after = list(step.plan.cuts)
     finally:
         rebalancing.in_steps = real
+        STATE["factor"] = 3
     errs = [rel_err(loss.cpu(), ref_loss)]
     errs += [rel_err(g.cpu(), r) for g, r in zip(pytree.tree_leaves(grads, is_leaf=lambda x: x is None),
                                                   pytree.tree_leaves(ref)) if g is not None]
@@ -223,15 +224,15 @@ def failing(rank: int) -> str:
 
 def deterministic_in_steps(real, calls: list, *, slower_after: bool = False):  # type: ignore[no-untyped-def]
     """`rebalance.in_steps` that runs and traces the steps (`real`), then gives each program deterministic
-    seconds (0.1 ms an equation, the last stage 3 x, as `slow_last`) and the step time the schedule simulates
-    under them (10 x from the second call with `slower_after`), appending it to `calls`."""
+    seconds (0.1 ms an equation, the last stage STATE["factor"] x, as `slow_last`) and the step time the
+    schedule simulates under them (10 x from the second call with `slower_after`), appending it to `calls`."""
     from engine.execution import profile as profiles
 
     def in_steps(step, params, example_batch, **kw):  # type: ignore[no-untyped-def]
         traced, seconds = real(step, params, example_batch, **kw)
         assert seconds > 0 and not step.inputs.checked  # the user's first step is still compared
         fixed = profiles.Profile(attrs.evolve(c, seconds=1e-4 * len(getattr(
-            step.executor.infos[c.stage].ad, c.kind).graph.eqns) * (3 if c.stage == STATE["last"] else 1))
+            step.executor.infos[c.stage].ad, c.kind).graph.eqns) * (STATE["factor"] if c.stage == STATE["last"] else 1))
             for c in traced.programs)
         seconds = profiles.predicted_step_time(step.plan, step.table, step.programs.all(), fixed) * (
             10 if slower_after and calls else 1)
@@ -267,6 +268,7 @@ def in_steps_case(rank: int, *, slower_after: bool) -> str:
             inputs_fresh = inputs_fresh and step.inputs.checked  # the first step compared them
     finally:
         rebalancing.in_steps = real
+        STATE["factor"] = 3
     errs = [rel_err(loss.cpu(), ref_loss)]
     errs += [rel_err(g.cpu(), r) for g, r in zip(pytree.tree_leaves(grads, is_leaf=lambda x: x is None),
                                                   pytree.tree_leaves(ref)) if g is not None]
