@@ -79,6 +79,9 @@ class ProgramScale:
     backward: float = 1.0
 
 
+REGIONS_FORMAT = 2  # 2: B's and W's ratios measured apart (`regions._split_shares`); tables before it had one
+
+
 @attrs.frozen
 class Calibration:
     """Measured seconds by op signature, for one device; `scale` is how much longer whole forward programs
@@ -112,7 +115,7 @@ class Calibration:
         return json.dumps({"device": self.device, "times": dict(sorted(self.times.items())), "scale": self.scale,
                            "compiled": dict(sorted(self.compiled.items())), "backward_scale": self.backward_scale,
                            "compiled_backward": dict(sorted(self.compiled_backward.items())),
-                           "regions": {k: [r.num_eqns, [attrs.astuple(x) for x in r.spans], r.batch]
+                           "regions": {k: [r.num_eqns, [attrs.astuple(x) for x in r.spans], r.batch, REGIONS_FORMAT]
                                        for k, r in sorted(self.regions.items())}})
 
     @classmethod
@@ -123,7 +126,8 @@ class Calibration:
                    {k: float(v) for k, v in d.get("compiled", {}).items()}, None if back is None else float(back),
                    {k: float(v) for k, v in d.get("compiled_backward", {}).items()},
                    {k: MeasuredScale(int(r[0]), [Span(*x) for x in r[1]], r[2])  # a scale without its graph's
-                    for k, r in d.get("regions", {}).items() if len(r) == 3 and r[2]})  # key: measured again
+                    for k, r in d.get("regions", {}).items()  # key, or of an older format: measured again
+                    if len(r) == 4 and r[2] and r[3] == REGIONS_FORMAT})
 
     def for_compiler(self, name: str) -> Calibration:
         """The table as programs compiled by `name` run: its measured scales in place of fx's ("fx", or a
@@ -277,12 +281,12 @@ def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibr
         log.warning("program scale not measured: %d of %d ops could not be timed alone", sums.missing, sums.ops)
         return ProgramScale()
     try:
-        f_run, b_run, _ = program_seconds(ad, device, inputs, sums.accumulate, sums.param_grads, max(repeats, 3),
-                                          compile_program)
+        runs = program_seconds(ad, device, inputs, sums.accumulate, sums.param_grads, max(repeats, 3),
+                               compile_program)
     except Exception as err:  # noqa: BLE001 -- e.g. out of memory: the op times are used as they are
         log.warning("program scale not measured (op times used as they are): %s: %s", type(err).__name__, err)
         return ProgramScale()
-    f_sum, b_sum = sums.forward, sums.backward
+    f_run, b_run, f_sum, b_sum = runs.forward, runs.backward, sums.forward, sums.backward
     whole = (f_run + b_run) / (f_sum + b_sum) if f_sum + b_sum > 0 else 1.0
     return ProgramScale(f_run / f_sum if f_sum > 0 else whole, b_run / b_sum if b_sum > 0 else whole)
 
@@ -300,6 +304,16 @@ class OpsSums:
     param_grads: dict[int, int]
     missing: int
     ops: int
+
+
+def split_sums(ad: ir.StageAD, cal: Calibration, param_grads: dict[int, int], g: ir.Graph) -> tuple[float, float]:
+    """B's program and W's as the calibration table costs them (W with its weight grads' accumulations): the
+    sums a split backward's measured seconds are set against (`regions`)."""
+    b = sum(cal.times.get(signature(e), 0.0) for e in ad.backward_input.graph.eqns if _costly(e))
+    w = sum(cal.times.get(signature(e), 0.0) for e in ad.backward_weight.graph.eqns if _costly(e))
+    w += sum(cal.times.get(accumulate_signature(g.inputs[param_grads[slot]].aval), 0.0)
+             for slot in ad.backward_weight.out_slots if slot in param_grads)
+    return b, w
 
 
 def ops_sums(ad: ir.StageAD, g: ir.Graph, cal: Calibration) -> OpsSums:
@@ -357,27 +371,46 @@ def settling_rounds(seconds: float, round_: Callable[[], Any], clock: Clock, mos
     return max(1, min(most, math.ceil(seconds / one))) if one > 0 else 0  # a round of no time: nothing to settle
 
 
+@attrs.frozen
+class ProgramRuns:
+    """`program_seconds`' medians: the forward program, the fused backward, and with `split` the backward
+    split as zero-bubble schedules run it, B's program then W's (None otherwise); the forward's outputs."""
+
+    forward: float
+    backward: float
+    outs: list[torch.Tensor] = attrs.field(eq=False, repr=False)
+    backward_input: float | None = None
+    backward_weight: float | None = None
+
+
 def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
-                    param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler
-                    ) -> tuple[float, float, list[torch.Tensor]]:
-    """Seconds a run of the forward and of the fused backward program, one after the other `repeats` times
-    after WARM_ROUNDS untimed rounds and `settle_seconds` more, each timed on its own (CUDA events, or the host
-    clock on CPU); the median round of each (program_scale asks for at least three); and the forward's outputs
-    (`ad.out_slots`)."""
+                    param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler, *,
+                    split: bool = False) -> ProgramRuns:
+    """Seconds a run of the forward and of the fused backward program (with `split`, also of B's program and
+    then W's, on the same forward's values), one after the other `repeats` times after WARM_ROUNDS untimed
+    rounds and `settle_seconds` more, each timed on its own (CUDA events, or the host clock on CPU); the median
+    round of each (program_scale asks for at least three); and the forward's outputs (`ad.out_slots`)."""
     fwd, bwd = ad.forward, ad.backward
     slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
     slots.update((i, x.to(device)) for i, x in enumerate(inputs))
     run_f, run_b = compile_program(fwd.graph, ()), compile_program(bwd.graph, acc)
     accs = [torch.zeros_like(slots[param_grads[bwd.out_slots[k]]]) for k in acc]
+    parts = [(run_b, bwd, accs)]
+    if split:
+        for part in (ad.backward_input, ad.backward_weight):
+            summed = tuple(k for k, slot in enumerate(part.out_slots) if slot in param_grads)
+            parts.append((compile_program(part.graph, summed), part,
+                          [torch.zeros_like(slots[param_grads[part.out_slots[k]]]) for k in summed]))
     clock = Clock(device)
 
     def once(timed: bool) -> None:
         if timed:
             clock.mark()
         slots.update(zip(fwd.out_slots, run_f(*[slots[i] for i in fwd.in_slots])))
-        if timed:
-            clock.mark()
-        run_b(*[slots[i] for i in bwd.in_slots], *accs)
+        for run, part, sums in parts:
+            if timed:
+                clock.mark()
+            slots.update(zip(part.out_slots, run(*[slots[i] for i in part.in_slots], *sums)))
 
     for _ in range(WARM_ROUNDS):
         once(False)
@@ -388,11 +421,13 @@ def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch
     for _ in range(repeats):
         once(True)
     clock.mark()
-    gaps = clock.gaps()  # forward, backward, forward, ...
-    forwards, backwards = gaps[0::2], gaps[1::2]
-    log.info("calibration: forward program %s ms, backward %s ms (each round; the medians are kept)",
-             _ms(forwards), _ms(backwards))
-    return statistics.median(forwards), statistics.median(backwards), [slots[i] for i in ad.out_slots]
+    gaps = clock.gaps()  # forward, backward[, B, W], forward, ...
+    every = 1 + len(parts)
+    medians = [statistics.median(gaps[k::every]) for k in range(every)]
+    log.info("calibration: forward program %s ms, backward %s ms%s (each round; the medians are kept)",
+             _ms(gaps[0::every]), _ms(gaps[1::every]),
+             f", B {_ms(gaps[2::every])} ms, W {_ms(gaps[3::every])} ms" if split else "")
+    return ProgramRuns(medians[0], medians[1], [slots[i] for i in ad.out_slots], *medians[2:])
 
 
 def _ms(seconds: Sequence[float]) -> str:

@@ -165,9 +165,12 @@ def _balanced(planner: Candidates, best: Candidate, made: _Blocks) -> list[Candi
     balanced split for each of SLACKS, by work alone and with the forwards ahead of each rank (`ahead`), each new
     one made exact; those that fit (screened), fastest first. `_refine` keeps one only if it is faster once its
     order is searched too: the screening's hand-built orders do not rank them as the search does (GPT zbv at
-    p = 4 on 4 x H100's measured programs: screened, the split by work alone led; searched, the split with the
-    forwards ahead ran 0.5 % faster). 4 x H100's costs, GPT zbv at p = 4: the busiest rank 1.070 -> 1.031 x the
-    mean, the step predicted 100.5 -> 96.3 ms (`benchmarks/plan_zbv.py`).
+    p = 4 on session 21's measured programs, replanned on CPU: screened, the split by work alone led; searched,
+    the split with the forwards ahead simulated 0.5 % faster). Session 20's 4 x H100 costs, GPT zbv at p = 4
+    (`benchmarks/plan_zbv.py --trace-on cpu`): the busiest rank 1.070 -> 1.018 x the mean, the step predicted
+    100.5 -> 95.8 ms (96.5 balanced by work alone). Measured on 4 x H100 (session 21), the stage programs
+    simulated 1.3-2.5 % faster than session 20's split's and the step was not faster (the programs ran 1.075-1.088
+    x their start-up times in it, against 1.051).
     Not where a stage recomputes its whole forward (balancing keeps every stage within budget without)."""
     if best.layout.stages_per_rank == 1 or any(level is True for level in best.recompute):
         return []

@@ -30,7 +30,8 @@ import ir
 
 from .artifacts import autodiff
 from .blocks import crossing_bytes, module_cuts
-from .calibration import Calibration, ProgramCompiler, calibrate, ops_sums, program_seconds, signature
+from .calibration import (Calibration, ProgramCompiler, ProgramRuns, calibrate, ops_sums, program_seconds, signature,
+                          split_sums)
 from .measured import MeasuredScale, Span, batch_key
 
 log = logging.getLogger("engine.calibrate")
@@ -95,10 +96,11 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
     if not cuts or len(inputs) != len(g.inputs):
         return None, cal
     values: dict[int, torch.Tensor] = {}  # crossing value id -> its tensor, from the region before
-    runs = []  # per region: (start, stop, forward sum, backward sum, forward seconds, backward seconds)
+    runs = []  # per region: (start, stop, forward sum, backward sum, forward seconds, backward seconds,
+    # B's and W's factors on the backward's ratio)
     for stage in ir.split(g, cuts):
         ad = autodiff(stage, level, device=str(device))  # as a plan's stage's programs are made
-        for part in (ad.forward, ad.backward):
+        for part in (ad.forward, ad.backward, ad.backward_input, ad.backward_weight):
             cal = calibrate(part.graph, device, calibration=cal)
         sums = ops_sums(ad, stage.graph, cal)
         if sums.missing:
@@ -107,28 +109,46 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
             return None, cal
         ins = [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)] + [values[v] for v in stage.acts_in]
         try:
-            f_run, b_run, outs = program_seconds(ad, device, ins, sums.accumulate, sums.param_grads, repeats,
-                                                 compile_program)
+            ran = program_seconds(ad, device, ins, sums.accumulate, sums.param_grads, repeats, compile_program,
+                                  split=True)
         except RuntimeError as err:  # out of memory, a compiler's failure: the whole model's scale stands alone
             log.warning("region scales not measured (equations %d:%d): %s: %s", stage.start, stage.stop,
                         type(err).__name__, err)
             return None, cal
-        values.update(zip(stage.acts_out, outs))
-        runs.append((stage.start, stage.stop, sums.forward, sums.backward, f_run, b_run))
+        values.update(zip(stage.acts_out, ran.outs))
+        runs.append((stage.start, stage.stop, sums.forward, sums.backward, ran.forward, ran.backward,
+                     *_split_shares(ran, sums.backward, *split_sums(ad, cal, sums.param_grads, stage.graph))))
     found = MeasuredScale(len(g.eqns), _normalised(runs), batch_key(g))
     log.info("calibration: regions run %s their ops' calibrated sum, over the model's mean", found)
     return found, cal
 
 
-def _normalised(runs: Sequence[tuple[int, int, float, float, float, float]]) -> list[Span]:
+def _split_shares(ran: ProgramRuns, fused_sum: float, b_sum: float, w_sum: float) -> tuple[float, float]:
+    """How a region's backward ratio divides between B and W: factors on the fused backward's ratio that give
+    B and W their measured shares of the split programs' seconds while B's and W's ops at those ratios add up to
+    the fused backward's measured seconds (a step of a schedule that fuses them is costed as before). The
+    whole model's calibrated ratio cannot tell them apart, and a compiler speeds them unevenly: a Llama's
+    inductor-compiled stages ran W 1.5-1.65 x and B 0.76-0.85 x what the planner gave them, GPT's 0.91-0.98 and
+    0.96-1.06 (4 x H100, session 21's runtime measured scales). (1, 1) where a part is empty (the first region's
+    B: no input grads) or was not measured."""
+    b_run, w_run = ran.backward_input, ran.backward_weight
+    if b_run is None or w_run is None or b_run + w_run <= 0 or b_sum <= 0 or w_sum <= 0 or fused_sum <= 0:
+        return 1.0, 1.0
+    share = w_run / (b_run + w_run)
+    return (1 - share) * fused_sum / b_sum, share * fused_sum / w_sum
+
+
+def _normalised(runs: Sequence[tuple[float, ...]]) -> list[Span]:
     """Each region's forward and backward seconds over its ops' sums, scaled so their means weighted by the
-    regions' ops' sums are 1."""
-    f = [run / ops if ops > 0 else 1.0 for _, _, ops, _, run, _ in runs]
-    b = [run / ops if ops > 0 else 1.0 for _, _, _, ops, _, run in runs]
+    regions' ops' sums are 1; B's and W's ratios are the backward's times the region's `_split_shares` (its
+    7th and 8th numbers; 1 where a run has none)."""
+    f = [run[4] / run[2] if run[2] > 0 else 1.0 for run in runs]
+    b = [run[5] / run[3] if run[3] > 0 else 1.0 for run in runs]
     f_mean = _weighted_mean(f, [r[2] for r in runs])
     b_mean = _weighted_mean(b, [r[3] for r in runs])
-    return [Span(start, stop, fr / f_mean, br / b_mean, br / b_mean)
-            for (start, stop, *_), fr, br in zip(runs, f, b)]
+    shares = [tuple(run[6:8]) if len(run) >= 8 else (1.0, 1.0) for run in runs]
+    return [Span(int(run[0]), int(run[1]), fr / f_mean, br * kb / b_mean, br * kw / b_mean)
+            for run, fr, br, (kb, kw) in zip(runs, f, b, shares)]
 
 
 def _weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:

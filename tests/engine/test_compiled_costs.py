@@ -153,7 +153,8 @@ def test_a_table_from_before_the_backward_scale_gets_it_measured(measured: tuple
 
 
 def test_forward_and_backward_programs_are_timed_apart() -> None:
-    """`program_seconds` with a 'compiler' whose forward sleeps 10 ms and backward 30 ms a run."""
+    """`program_seconds` with a 'compiler' whose forward sleeps 10 ms and backward 30 ms a run; with `split`,
+    B's program 5 ms and W's 20 ms as well, each timed on its own."""
     import time
 
     from engine.planning import calibration as C
@@ -164,7 +165,9 @@ def test_forward_and_backward_programs_are_timed_apart() -> None:
     ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)))
 
     def slow(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
-        fn, wait = ir.compile_graph(graph, acc), 0.01 if graph is ad.forward.graph else 0.03
+        waits = {id(ad.forward.graph): 0.01, id(ad.backward.graph): 0.03, id(ad.backward_input.graph): 0.005,
+                 id(ad.backward_weight.graph): 0.02}
+        fn, wait = ir.compile_graph(graph, acc), waits[id(graph)]
 
         def run(*args: Any) -> Any:
             time.sleep(wait)
@@ -173,8 +176,13 @@ def test_forward_and_backward_programs_are_timed_apart() -> None:
 
     grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
     acc = tuple(k for k, slot in enumerate(ad.backward.out_slots) if slot in grads)
-    f, b, _ = C.program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 3, slow)
-    assert 0.0095 < f < 0.025 and 0.0295 < b < 0.05
+    runs = C.program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 3, slow)
+    assert 0.0095 < runs.forward < 0.025 and 0.0295 < runs.backward < 0.05
+    assert runs.backward_input is None and runs.backward_weight is None
+    split = C.program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 3, slow, split=True)
+    assert 0.0095 < split.forward < 0.025 and 0.0295 < split.backward < 0.05
+    assert split.backward_input is not None and split.backward_weight is not None
+    assert 0.0045 < split.backward_input < 0.015 and 0.0195 < split.backward_weight < 0.04
 
 
 def test_a_slow_first_round_does_not_set_the_program_time() -> None:
@@ -205,6 +213,6 @@ def test_a_slow_first_round_does_not_set_the_program_time() -> None:
 
     grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
     acc = tuple(k for k, slot in enumerate(ad.backward.out_slots) if slot in grads)
-    f, _, _ = C.program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 5, first_slow)
+    f = C.program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 5, first_slow).forward
     assert runs["forward"] == C.WARM_ROUNDS + 5
     assert 0.0095 < f < 0.016

@@ -88,6 +88,54 @@ def test_region_ratios_are_normalised_to_a_weighted_mean_of_one() -> None:
     assert [s.backward_weight for s in spans] == [s.backward_input for s in spans]
 
 
+def test_a_regions_backward_ratio_divides_between_b_and_w_as_their_programs_measured() -> None:
+    """A region whose fused backward ran 2 x its ops' sum (6 ms for 3): B's ops sum 1 ms, W's 2 ms; the split
+    programs ran B 1 ms and W 4 ms, so W takes 4/5 of the backward's 6 ms: W 4.8 ms (2.4 x its ops), B 1.2 ms
+    (1.2 x), adding up to the fused 6 ms. A region without a B (no input grads) or whose split was not
+    measured keeps one ratio."""
+    from engine.planning.calibration import ProgramRuns
+    from engine.planning.regions import _split_shares
+
+    ran = ProgramRuns(1e-3, 6e-3, [], 1e-3, 4e-3)
+    kb, kw = _split_shares(ran, 3e-3, 1e-3, 2e-3)
+    assert (2.0 * kb * 1e-3, 2.0 * kw * 2e-3) == (pytest.approx(1.2e-3), pytest.approx(4.8e-3))
+    assert _split_shares(ran, 3e-3, 0.0, 3e-3) == (1.0, 1.0)
+    assert _split_shares(ProgramRuns(1e-3, 6e-3, []), 3e-3, 1e-3, 2e-3) == (1.0, 1.0)
+    spans = _normalised([(0, 4, 1e-3, 3e-3, 1e-3, 6e-3, kb, kw)])
+    assert (spans[0].backward_input, spans[0].backward_weight) == (pytest.approx(0.6), pytest.approx(1.2))
+
+
+def test_the_mlps_regions_time_b_and_w_apart(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The regions' programs, timed by a 'compiler' whose W programs sleep 20 ms a run: every region after the
+    first (the first has no input grads to make) gives W a far larger ratio than B."""
+    from engine.planning import regions
+
+    params, inputs, g = _model()
+    cal = calibrate_training(g, "cpu", repeats=2)
+    weights: set[int] = set()
+    real = regions.autodiff
+
+    def noting(*args: Any, **kw: Any) -> Any:  # the regions' stage autodiff, its W graphs noted
+        ad = real(*args, **kw)
+        weights.add(id(ad.backward_weight.graph))
+        return ad
+
+    def slow_w(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
+        fn = ir.compile_graph(graph, acc)
+        if id(graph) not in weights:
+            return fn
+
+        def run(*args: Any) -> Any:
+            time.sleep(0.02)
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(regions, "autodiff", noting)
+    found, _ = region_scale(g, torch.device("cpu"), cal, inputs, compile_program=slow_w)
+    assert found is not None and len(found.spans) == 4 and len(weights) == 4
+    assert all(s.backward_weight > 5 * s.backward_input for s in found.spans[1:])
+
+
 def test_a_slow_region_is_measured_slow_relative_to_the_others() -> None:
     """Region 0's forward sleeps 30 ms a run: its F ratio is far above the others', its backward is not, the
     spans cover the graph, and the scale is recorded for this graph's microbatch."""
@@ -140,15 +188,17 @@ def test_with_regions_measures_once_keeps_what_holds_and_measures_again_what_cha
 
 def test_a_table_whose_regions_lack_their_graphs_key_loads_without_them(  # type: ignore[no-untyped-def]
         tmp_path) -> None:
-    """Tables of the first version (two fields a region, no graph key) load, their regions to be measured again."""
+    """Tables of the first version (two fields a region, no graph key) and of the second (B and W one ratio) load,
+    their regions to be measured again."""
     import json
 
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps({"device": "cuda", "times": {"k": 1e-3}, "scale": 1.1, "compiled": {},
-                                "backward_scale": 1.2, "compiled_backward": {},
-                                "regions": {"inductor": [10, [[0, 5, 1.5, 1.0, 1.0], [5, 10, 0.8, 1.0, 1.0]]]}}))
-    old = Calibration.load(path)
-    assert old.regions == {} and old.times == {"k": 1e-3} and old.backward_scale == 1.2
+    spans = [[0, 5, 1.5, 1.0, 1.0], [5, 10, 0.8, 1.0, 1.0]]
+    for regions in ([10, spans], [10, spans, "(4, 8):torch.float32"]):
+        path = tmp_path / "old.json"
+        path.write_text(json.dumps({"device": "cuda", "times": {"k": 1e-3}, "scale": 1.1, "compiled": {},
+                                    "backward_scale": 1.2, "compiled_backward": {}, "regions": {"inductor": regions}}))
+        old = Calibration.load(path)
+        assert old.regions == {} and old.times == {"k": 1e-3} and old.backward_scale == 1.2
 
 
 def test_a_region_that_cannot_run_is_recorded_and_not_tried_again() -> None:
