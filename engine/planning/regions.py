@@ -109,8 +109,7 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
             return None, cal
         ins = [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)] + [values[v] for v in stage.acts_in]
         try:
-            ran = program_seconds(ad, device, ins, sums.accumulate, sums.param_grads, repeats, compile_program,
-                                  split=True)
+            ran = _timed(ad, device, ins, sums.accumulate, sums.param_grads, repeats, compile_program)
         except RuntimeError as err:  # out of memory, a compiler's failure: the whole model's scale stands alone
             log.warning("region scales not measured (equations %d:%d): %s: %s", stage.start, stage.stop,
                         type(err).__name__, err)
@@ -121,6 +120,20 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
     found = MeasuredScale(len(g.eqns), _normalised(runs), batch_key(g))
     log.info("calibration: regions run %s their ops' calibrated sum, over the model's mean", found)
     return found, cal
+
+
+def _timed(ad: ir.StageAD, device: torch.device, ins: Sequence[torch.Tensor], acc: tuple[int, ...],
+           param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler) -> ProgramRuns:
+    """A region's programs timed with its backward split as well; where the split ones cannot run (they hold a
+    second set of weight grads and B's hand-over beside the fused backward's: out of memory, say), the forward
+    and fused backward alone (logged), so the region keeps its scale with one ratio for B and W."""
+    try:
+        return program_seconds(ad, device, ins, acc, param_grads, repeats, compile_program, split=True)
+    except RuntimeError as err:
+        log.warning("region B and W not timed apart (one ratio for both): %s: %s", type(err).__name__, err)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return program_seconds(ad, device, ins, acc, param_grads, repeats, compile_program)
 
 
 def _split_shares(ran: ProgramRuns, fused_sum: float, b_sum: float, w_sum: float) -> tuple[float, float]:

@@ -253,8 +253,11 @@ class _Busy:
             if self.fits is not None:
                 usable &= np.asarray(self.fits(st, i, j), dtype=bool)
             held[:, st + 1] = held[:, st] + (0.0 if self.ahead is None else np.asarray(self.ahead(st, i, j)))
-        for r in range(busy.shape[1]):
-            busy[:, r] += held[:, list(self.rank_of).index(r)]
+        first: dict[int, int] = {}
+        for st, r in enumerate(self.rank_of):
+            first.setdefault(r, st)
+        for r, st in first.items():  # a rank holding no stage waits for nothing
+            busy[:, r] += held[:, st]
         return busy, usable
 
 

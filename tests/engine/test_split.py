@@ -259,3 +259,14 @@ def test_what_a_stage_holds_up_is_its_forward_and_send_or_all_of_it() -> None:
     assert costs.stage_ahead(0, 2, backward=False) == 3.0 + 0.5  # F of blocks 0-1 and the send over cut 2
     assert costs.stage_ahead(1, 3, backward=True) == costs.stage_time(1, 3) == 9.0 + 0.25
     assert _times([1.0, 2.0]).stage_ahead(0, 2, backward=False) == 0.0  # no forward given: nothing held up
+
+
+def test_a_rank_holding_no_stage_is_balanced_around() -> None:
+    """rank_of need not name every rank: rank 1 holds nothing here, waits for nothing and is never the busiest."""
+    from engine.planning.split import balance_ranks
+
+    costs = BlockCosts(time=(1.0,) * 6, param_bytes=(1.0,) * 6, saved=(0.0,) * 6, cut_bytes=(0.0,) * 7,
+                       cut_time=(0.0,) * 7, forward=(0.4,) * 6)
+    got = balance_ranks((0, 1, 4, 6), [0, 2, 2], lambda s, i, j: costs.stage_time(i, j), slack=2.0,
+                        ahead=lambda s, i, j: costs.stage_ahead(i, j, backward=False), microbatches=4)
+    assert got == (0, 3, 4, 6)  # rank 0: 3 blocks (12), rank 2: 3 blocks (12) + the forward of 3 blocks ahead
