@@ -7,7 +7,6 @@ the split kept (`_searched`).
 from __future__ import annotations
 
 import itertools
-
 from collections.abc import Sequence
 from typing import Any
 

@@ -141,8 +141,8 @@ def _split_shares(ran: ProgramRuns, fused_sum: float, b_sum: float, w_sum: float
     B and W their measured shares of the split programs' seconds while B's and W's ops at those ratios add up to
     the fused backward's measured seconds (a step of a schedule that fuses them is costed as before). The
     whole model's calibrated ratio cannot tell them apart, and a compiler speeds them unevenly: a Llama's
-    inductor-compiled stages ran W 1.5-1.65 x and B 0.76-0.85 x what the planner gave them, GPT's 0.91-0.98 and
-    0.96-1.06 (4 x H100, session 21's runtime measured scales). (1, 1) where a part is empty (the first region's
+    inductor-compiled block stages ran W 1.45-1.94 x and B 0.72-0.85 x what the planner gave them, GPT's W
+    0.90-0.98 and B 0.96-1.06 (4 x H100, session 21's start-up measured scales). (1, 1) where a part is empty (the first region's
     B: no input grads) or was not measured."""
     b_run, w_run = ran.backward_input, ran.backward_weight
     if b_run is None or w_run is None or b_run + w_run <= 0 or b_sum <= 0 or w_sum <= 0 or fused_sum <= 0:
