@@ -172,6 +172,14 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
         from_programs = "" if prog is None else f" (from the measured programs {prog:.3f}: {_verdict(0.9 <= prog <= 1.1)})"
         out.append(f"fnpipe {r['schedule']} {r['variant']}: measured / predicted s/step {x:.3f}{from_programs}, peak "
                    f"per rank {' / '.join(f'{y:.3f}' for y in ratios) or '-'} (goal 0.90-1.10): {_verdict(ok)}")
+    for r in (r for r in rows if r.get("graph_pool_bytes") and r.get("predicted_pool_bytes")):
+        rest = [p - q for p, q in zip(r["peak_bytes"], r["graph_pool_bytes"])]
+        rest_pred = [p - q for p, q in zip(r["predicted_peak_bytes"], r["predicted_pool_bytes"])]
+        out.append(f"fnpipe {r['schedule']} {r['variant']}: CUDA graphs' pool measured / predicted per rank "
+                   f"{' / '.join(f'{m / p:.3f}' for m, p in zip(r['graph_pool_bytes'], r['predicted_pool_bytes']))}"
+                   f" (GiB {_pair(r['graph_pool_bytes'])} of {_pair(r['predicted_pool_bytes'])}); the rest "
+                   f"{' / '.join(f'{m / p:.3f}' for m, p in zip(rest, rest_pred))} (GiB {_pair(rest)} of "
+                   f"{_pair(rest_pred)})")
     for r in (r for r in rows if r["framework"] == "fnpipe" and r.get("variant", "").endswith(":inductor")):
         if r.get("to_first_step_s") is not None:
             out.append(f"fnpipe {r['schedule']} {r['variant']}: parallelize to first step {r['to_first_step_s']:.1f} s "

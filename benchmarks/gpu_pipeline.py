@@ -207,13 +207,15 @@ def run_torch(b: Bench, schedule: str, *, compiled: bool) -> None:
 def predicted(step: engine.Step) -> dict[str, Any]:
     """fnpipe's predictions: the plan's step time, the step's from its measured programs, each rank's peak
     replayed from its program (with the measured programs' own bytes; no optimizer held here), the planner's
-    memory model beside it (Adam state and margin included), and the stages."""
-    plan = step.plan
+    memory model beside it (Adam state and margin included), and the stages. With CUDA graphs the replay has the
+    graphs' pool and what they keep (`footprint._Graphed`), each also apart."""
+    plan, memory = step.plan, step.memory()
     return {"predicted_s": plan.predicted_step_time, "program_predicted_s": step.predicted_step_time,
             "profile": [str(p) for p in step.profile.programs] if step.profile is not None else None,
             "against_plan": step.against_plan(),
             "predicted_bubble": plan.bubble_fraction,
-            "predicted_peak_bytes": [f.peak for f in step.memory()],
+            "predicted_peak_bytes": [f.peak for f in memory],
+            "predicted_pool_bytes": [f.pool for f in memory], "predicted_kept_bytes": [f.kept for f in memory],
             "planner_peak_bytes_with_adam_and_margin": list(plan.rank_memory),
             "recompute": [("full" if r else "cheap" if c else "no") for r, c in zip(plan.recompute, plan.remat)],
             "stages": [{"index": s.index, "rank": s.rank, "eqns": [s.start, s.stop], "forward_s": s.forward_time,

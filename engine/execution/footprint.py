@@ -10,6 +10,12 @@ was seen to make: `engine.execution.profile`). `reduce_grads` flattens its grads
 the all-reduce. This is what `torch.cuda.max_memory_allocated` counts for programs run as fx code, short of
 the libraries' own workspaces (cuBLAS, attention kernels), the allocator's rounding to 512 bytes, and a sent
 buffer (or pack) that its transfer keeps alive past its `free` (or its comm) until the send completes.
+
+With CUDA graphs (`engine.execution.graphs`) the bytes sit elsewhere (`_Graphed`): the computes' values and
+temporaries in the graphs' pool, which the capture step fills in program order and which stays reserved; the
+rest with the allocator, which also holds for good a clone of every parameter and batch leaf the computes read,
+every received value a compute reads (held from the capture step) and the grad accumulators, and at the step's
+end the copies of them it hands out. A rank's peak is then the pool's high-water mark plus the allocator's peak.
 """
 from __future__ import annotations
 
@@ -29,17 +35,22 @@ from .program import COMPUTE, Instr, Program
 @attrs.frozen
 class Footprint:
     """Bytes of one rank's step: `static` (params, batch, the transport's rings), `peak` (everything, at instruction
-    `peak_at`), and `held[i]`, the bytes held after instruction i."""
+    `peak_at`), and `held[i]`, the bytes held after instruction i. With CUDA graphs, `pool` (the graphs' pool's
+    high-water mark) and `kept` (what the graphs hold for good besides: clones, held inputs, accumulators) are in
+    `peak` and `held`; both are 0 without."""
 
     rank: int
     static: int
     peak: int
     peak_at: int
     held: tuple[int, ...]
+    pool: int = 0
+    kept: int = 0
 
     def __str__(self) -> str:
+        graphs = f", graphs' pool {nbytes(self.pool)}, kept {nbytes(self.kept)}" if self.pool or self.kept else ""
         return (f"rank {self.rank}: peak {nbytes(self.peak)} at instruction {self.peak_at} "
-                f"(params and batch {nbytes(self.static)})")
+                f"(params and batch {nbytes(self.static)}{graphs})")
 
 
 class _Replay:
@@ -95,14 +106,17 @@ class _Replay:
 
     def free(self, ins: Instr) -> None:
         for ref in ins.reads:
-            pack = self.owner.pop(ref, None)
-            if pack is None:
-                self.now -= self.live.pop(ref, 0)
-                continue
-            self.packs[pack].discard(ref)
-            if not self.packs[pack]:
-                del self.packs[pack]
-                self.now -= self.live.pop(pack)
+            self.drop(ref)
+
+    def drop(self, ref: str) -> None:
+        pack = self.owner.pop(ref, None)
+        if pack is None:
+            self.now -= self.live.pop(ref, 0)
+            return
+        self.packs[pack].discard(ref)
+        if not self.packs[pack]:
+            del self.packs[pack]
+            self.now -= self.live.pop(pack)
 
     def loss_grad(self, ins: Instr) -> None:
         info = self.infos[ins.stage]
@@ -117,31 +131,140 @@ class _Replay:
         pass
 
 
-HANDLERS: dict[str, Callable[[_Replay, Instr], None]] = {
-    **{kind: _Replay.compute for kind in COMPUTE},
-    "comm": _Replay.comm, "free": _Replay.free, "loss_grad": _Replay.loss_grad,
-    "reduce_grads": _Replay.reduce_grads, "add_loss": _Replay.nothing, "reduce_loss": _Replay.nothing,
+class _Graphed(_Replay):
+    """The replay of a step whose computes replay CUDA graphs. `pool_now` / `pool_peak`: the bytes of the
+    computes' live values in the graphs' pool and its high-water mark (a compute's temporaries included); a value
+    a send reads as it is (not packed) stays to the end of the capture step (no send is retired before it). `now` is the allocator's:
+    received buffers and packs as in `_Replay`; `kept`: what it holds for good (clones of the parameters and batch
+    leaves the computes read, the received values they read, the accumulators)."""
+
+    def __init__(self, infos: Sequence[StageInfo], param_bytes: dict[int, int], batch_bytes: dict[int, int],
+                 measured: Callable[[Key], int | None] = lambda key: None) -> None:
+        super().__init__(infos, param_bytes, measured)
+        self.batch_bytes = batch_bytes
+        self.pooled: dict[str, int] = {}  # a compute's value in the pool -> its bytes
+        self.sent: set[str] = set()  # pooled values a send reads: held to the capture step's end
+        self.pool_now = self.pool_peak = 0
+        self.kept: dict[str, int] = {}  # what the graphs' allocator side holds for good, by what it is
+
+    def keep(self, what: str, nbytes: int) -> None:
+        self.kept.setdefault(what, nbytes)
+
+    def compute(self, ins: Instr) -> None:
+        info = self.infos[ins.stage]
+        part, acc = getattr(info.ad, ins.kind), ins.accumulated()
+        for k in acc:
+            self.keep(ins.writes[k], self.param_bytes[int(ins.writes[k][1:])])
+        for ref in ins.reads:
+            self._read(ref, ins.mb)
+        self.pool_peak = max(self.pool_peak, self.pool_now + self._made(ins, part, acc))
+        for ref, slot in zip(ins.writes, part.out_slots):
+            if ref[0] == "b" and ref not in ins.reads and ref not in self.pooled:
+                self.pooled[ref] = info.ad.slot_avals[slot].nbytes
+                self.pool_now += self.pooled[ref]
+        self.pool_peak = max(self.pool_peak, self.pool_now)
+
+    def _made(self, ins: Instr, part: object, acc: tuple[int, ...]) -> int:
+        key = (ins.stage, ins.kind, acc)
+        made = self.measured(key)
+        if made is None:
+            if key not in self.runs:
+                self.runs[key] = ir.run_bytes(part.graph, acc)  # type: ignore[attr-defined]
+            made = self.runs[key].peak
+        return made
+
+    def _read(self, ref: str, mb: int) -> None:
+        """What reading `ref` makes the graphs hold: a clone of a parameter (once) or of a microbatch's batch
+        leaf, or the received buffer (its whole pack) itself."""
+        if ref[0] == "p":
+            self.keep(ref, self.param_bytes[int(ref[1:])])
+        elif ref[0] == "x":
+            self.keep(f"{ref}@{mb}", self.batch_bytes[int(ref[1:])])
+        elif ref[0] == "b" and ref not in self.pooled:
+            pack = self.owner.get(ref, ref)
+            self.keep(pack, self.live.get(pack, 0))
+
+    def comm(self, ins: Instr) -> None:
+        super().comm(ins)
+        self.sent.update(c.bufs[m.members[0]] for c in ins.comm if c.op == "send" for m in self.layouts(c).messages
+                         if not m.packed and c.bufs[m.members[0]] in self.pooled)  # a pack is a copy
+
+    def free(self, ins: Instr) -> None:
+        for ref in ins.reads:
+            if ref not in self.pooled:
+                self.drop(ref)
+            elif ref not in self.sent:
+                self.pool_now -= self.pooled.pop(ref)
+
+    def reduce_grads(self, ins: Instr) -> None:
+        self.top = self.now + sum(self.param_bytes[int(r[1:])] for r in ins.reads)  # the flat copy
+
+    def handed_out(self) -> int:
+        """The copies of the accumulators the step hands out at its end."""
+        return sum(n for what, n in self.kept.items() if what[0] == "g")
+
+
+HANDLERS: dict[str, str] = {  # an instruction's kind -> the replay's method for it (a subclass may override it)
+    **{kind: "compute" for kind in COMPUTE},
+    "comm": "comm", "free": "free", "loss_grad": "loss_grad", "reduce_grads": "reduce_grads",
+    "add_loss": "nothing", "reduce_loss": "nothing",
 }
 
 
 def footprint(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, *, microbatches: int,
-              measured: Callable[[Key], int | None] = lambda key: None, resident: int = 0) -> Footprint:
+              measured: Callable[[Key], int | None] = lambda key: None, resident: int = 0,
+              graphs: bool = False) -> Footprint:
     """The replayed bytes of `program` (a rank of a plan whose stages are `infos`, cut from `graph`);
     `measured(key)`: the bytes a compute's program was seen to make (`engine.execution.profile`), where
     known, instead of fx's frees; `resident`: bytes held all along besides params and batch (the transport's
-    copy-engine rings), counted as static."""
-    param_bytes = {i: graph.inputs[i].aval.nbytes for i in range(graph.num_params)}
-    mine = {ins.stage for ins in program.instrs if ins.stage >= 0}
-    params = sorted({pid for s in mine for pid in infos[s].stage.param_ids})
-    batch = sum(v.aval.nbytes for v in graph.batch)  # every rank gets every leaf of its replica's microbatches
-    static = sum(param_bytes[p] for p in params) + microbatches * batch + resident
+    copy-engine rings), counted as static; `graphs`: the computes replay CUDA graphs (`_Graphed`)."""
+    if graphs:
+        return _graphed_footprint(program, infos, graph, microbatches=microbatches, measured=measured,
+                                  resident=resident)
+    param_bytes, static = _static(program, infos, graph, microbatches, resident)
     replay = _Replay(infos, param_bytes, measured)
     held, peak, peak_at = [], 0, 0
     for i, ins in enumerate(program.instrs):
         replay.top = 0
-        HANDLERS[ins.kind](replay, ins)
+        getattr(replay, HANDLERS[ins.kind])(ins)
         top = max(replay.top, replay.now)
         if top > peak:
             peak, peak_at = top, i
         held.append(static + replay.now)
     return Footprint(program.rank, static, static + peak, peak_at, tuple(held))
+
+
+def _static(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, microbatches: int,
+            resident: int) -> tuple[dict[int, int], int]:
+    """(each parameter's bytes, the bytes a rank holds all step: its params, its microbatches, `resident`)."""
+    param_bytes = {i: graph.inputs[i].aval.nbytes for i in range(graph.num_params)}
+    mine = {ins.stage for ins in program.instrs if ins.stage >= 0}
+    params = sorted({pid for s in mine for pid in infos[s].stage.param_ids})
+    batch = sum(v.aval.nbytes for v in graph.batch)  # every rank gets every leaf of its replica's microbatches
+    return param_bytes, sum(param_bytes[p] for p in params) + microbatches * batch + resident
+
+
+def _graphed_footprint(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, *, microbatches: int,
+                       measured: Callable[[Key], int | None], resident: int) -> Footprint:
+    """`footprint` of a step that replays CUDA graphs: the pool's high-water mark (reserved all step) plus the
+    allocator's peak, whose static part now has what the graphs keep (`_Graphed`). Two walks: the first finds
+    what is kept and the pool's mark, the second the allocator's bytes with all of it held from the start."""
+    param_bytes, static = _static(program, infos, graph, microbatches, resident)
+    batch_bytes = {i: v.aval.nbytes for i, v in enumerate(graph.inputs)}  # a batch leaf's: one microbatch's
+    first = _Graphed(infos, param_bytes, batch_bytes, measured)
+    for ins in program.instrs:
+        getattr(first, HANDLERS[ins.kind])(ins)
+    base = static + sum(first.kept.values()) + first.pool_peak
+    replay = _Graphed(infos, param_bytes, batch_bytes, measured)
+    held, peak, peak_at = [], 0, 0
+    for i, ins in enumerate(program.instrs):
+        replay.top = 0
+        getattr(replay, HANDLERS[ins.kind])(ins)
+        top = max(replay.top, replay.now)
+        if top > peak:
+            peak, peak_at = top, i
+        held.append(base + replay.now)
+    last = len(program.instrs) - 1
+    if replay.now + first.handed_out() > peak:
+        peak, peak_at = replay.now + first.handed_out(), last
+    return Footprint(program.rank, static, base + peak, peak_at, tuple(held), first.pool_peak, sum(first.kept.values()))

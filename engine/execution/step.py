@@ -162,10 +162,12 @@ class Step:
         run as fx code, short of library workspaces, with what the transport holds (copy-engine rings).
         Where the programs were measured on the device (`profile_programs`: compiled programs free
         differently from fx), each compute counts the bytes it was seen to make. No optimizer state: that
-        is the optimizer's."""
+        is the optimizer's. With CUDA graphs on (`FNPIPE_CUDA_GRAPHS`), the pool's high-water mark and what the
+        graphs hold for good (`footprint._Graphed`)."""
         measured = self.profile.peak if self.profile is not None else (lambda key: None)
+        graphs = self.executor.graphs is not None and self.executor.graphs.state != "off"
         return tuple(footprint(p, self.infos, self.graph, microbatches=len(routing.microbatches(self.plan, p.rank)),
-                               measured=measured, resident=self.transport.resident_bytes(p.rank))
+                               measured=measured, resident=self.transport.resident_bytes(p.rank), graphs=graphs)
                      for p in self.programs.all())  # a rank holds the batch of the microbatches it runs
 
     def load_programs(self, batch: dict[int, torch.Tensor] | None = None) -> None:

@@ -19,11 +19,13 @@ from torch.utils import _pytree as pytree
 import ir
 from engine.errors import PlanError
 from engine.execution import graphs as graphs_mod
+from engine.execution.footprint import footprint
 from engine.execution.graphs import Graphs, _Tensor
 from engine.execution.inprocess import build_steps, run_steps
 from engine.planning.plan import Plan, StagePlan
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
+COMPUTES = ("forward", "backward", "backward_input", "backward_weight")
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, head_dim=8)
 
 
@@ -76,7 +78,8 @@ def _check(result: Any, params: Any, batch: Sequence[torch.Tensor]) -> None:
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-14), (got - want).abs().max()
 
 
-def _graphed(schedule: str, stages: int, ranks: int, dp: int = 1) -> tuple[Any, Any, list[Any], list[Recorded]]:
+def _graphed(schedule: str, stages: int, ranks: int, dp: int = 1,
+             hook: Any = None) -> tuple[Any, Any, list[Any], list[Recorded]]:
     """(params, batch, each rank's Step, each rank's Recorded graphs): TINY cut evenly into `stages`."""
     params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
     fn = make_loss_fn(TINY)
@@ -84,7 +87,7 @@ def _graphed(schedule: str, stages: int, ranks: int, dp: int = 1) -> tuple[Any, 
     options = (("stages_per_rank", stages // ranks),) if schedule == "interleaved-1f1b" else ()
     plan = Plan(schedule, stages, ranks, dp, 4, tuple(n * k // stages for k in range(1, stages)),
                 stages=tuple(StagePlan(k, 0, 0, 0) for k in range(stages)), schedule_options=options)
-    steps = list(build_steps(fn, params, batch, plan))
+    steps = list(build_steps(fn, params, batch, plan, hook=hook))
     fakes = [Recorded() for _ in steps]
     for s, g in zip(steps, fakes):
         s.executor.graphs = g
@@ -178,3 +181,56 @@ def test_engine_init_refuses_a_bad_switch_before_any_communication(monkeypatch: 
     monkeypatch.setenv(graphs_mod.SWITCH, "maybe")
     with pytest.raises(PlanError, match="FNPIPE_CUDA_GRAPHS='maybe'"):
         engine.init()
+
+
+def _storages(tensors: Any) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+@pytest.mark.parametrize("schedule,stages,ranks", [("1f1b", 2, 2), ("zbv", 4, 2), ("interleaved-1f1b", 4, 2)])
+def test_the_graphed_footprint_is_what_the_graphs_hold(schedule: str, stages: int, ranks: int) -> None:
+    """`step.memory()` with graphs (`footprint._Graphed`), against what the capture step holds on CPU: `kept`
+    is every storage a captured graph holds as an input (clones of the user's tensors, received values) and the
+    accumulators; `pool` is the most the computes' values (and the sent ones, kept to the step's end) held at
+    once, with each compute's own temporaries taken as 0 bytes here (`measured`)."""
+    seen: dict[int, list[int]] = {r: [] for r in range(ranks)}
+    made: dict[int, set[str]] = {}
+    made_ids: dict[int, set[int]] = {}  # ids of the computes' values seen so far (a sent one outlives its ref)
+
+    def pooled(ex: Any) -> int:
+        outs = made.setdefault(ex.program.rank, {r for i in ex.program.instrs if i.kind in COMPUTES
+                                                 for r in i.writes if r[0] == "b" and r not in i.reads})
+        ids = made_ids.setdefault(ex.program.rank, set())
+        live = {id(t): t for r, t in ex.bufs.items() if r in outs}
+        live.update((id(t), t) for _, t in ex.sends if id(t) in ids)
+        ids.update(live)
+        return sum(t.nbytes for t in live.values())  # by the tensors' own bytes, as the replay counts outputs
+
+    def hook(ex: Any, ins: Any) -> None:
+        if ex.graphs.capturing:
+            seen[ex.program.rank].append(pooled(ex))
+
+    params, batch, steps, fakes = _graphed(schedule, stages, ranks, hook=hook)
+    sent_made: dict[int, int] = {}
+    for _ in range(2):  # eager, capture
+        run_steps(steps, params, batch)
+    for rank, (step, g) in enumerate(zip(steps, fakes)):
+        held = [slot.held for c in g.captured.values() for slot in c.inputs if slot is not None and slot.held is not None]
+        kept = sum(_storages([*held, *step.executor.own_grads.values()]).values())
+        fp = footprint(step.program, step.infos, step.graph, microbatches=4, measured=lambda key: 0, graphs=True)
+        assert fp.kept == kept, (rank, fp.kept, kept)
+        assert fp.pool == max(seen[rank]), (rank, fp.pool, max(seen[rank]))
+        assert fp.peak >= fp.static + fp.kept + fp.pool
+        sent_made[rank] = fp.pool
+    assert all(v > 0 for v in sent_made.values())
+
+
+def test_a_graphed_footprint_holds_more_than_the_eager_one() -> None:
+    """The same program with graphs: clones of the parameters, the accumulators all step, the pool kept."""
+    _, _, steps, _ = _graphed("1f1b", 2, 2)
+    for step in steps:
+        eager = footprint(step.program, step.infos, step.graph, microbatches=4)
+        graphed = footprint(step.program, step.infos, step.graph, microbatches=4, graphs=True)
+        assert eager.pool == eager.kept == 0 and graphed.pool > 0
+        assert graphed.static == eager.static and graphed.peak > eager.peak
+        assert "graphs' pool" in str(graphed) and "graphs' pool" not in str(eager)
