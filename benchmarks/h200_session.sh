@@ -31,6 +31,8 @@
 #                                             # of sustained load (FNPIPE_PROFILE_SETTLE): the start-up clock
 #   bash benchmarks/h200_session.sh fourcal   # 4 GPUs: a fresh settled calibration, then zbv at p = 4 with and
 #                                             # without graphs against compiled PyTorch 1F1B, both families
+#   bash benchmarks/h200_session.sh fourplan  # 4 GPUs: the planner on a fresh calibration's regions: the Llama's zbv
+#                                             # with and without graphs, then GPT's zbv with graphs and copy engines
 #   bash benchmarks/h200_session.sh fourcheck # 4 GPUs: gated receives' equivalence over NCCL, the same plan started
 #                                             # three times in one process (restarts.py), one traced zbv step with
 #                                             # the SM clock and power sampled every 10 ms beside it
@@ -41,7 +43,7 @@
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourpower|foursettle|fourcal|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
+part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourpower|foursettle|fourcal|fourplan|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -210,6 +212,18 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
         --compilers "${COMPILERS:-auto-graphs,auto}" \
         --schedules "${SCHEDULES:-zbv}" --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 \
         --out-dir "$out"
+      cp "$fresh"/cal_*.json "$out/" 2>/dev/null
+      ;;
+    fourplan)  # 4 GPUs: the planner on a fresh calibration's regions (B and W from their own programs, each region
+               # timed twice), each family its own launch: the Llama's zbv with and without CUDA graphs, then GPT's
+               # zbv with graphs and copy engines against compiled PyTorch 1F1B (graphs' memory in the prediction)
+      fresh=/tmp/fnpipe_cal_fresh; mkdir -p "$fresh" "$out/llama" "$out/gpt"
+      ENGINE_LOG_LEVEL_CALIBRATE=INFO bench "${LLAMA_TIMEOUT:-330}" 4 29541 --budget "${LLAMA_BUDGET:-310}" --families llama \
+        --calibrate "$fresh" --one-gpu-layers 0 --compilers "${LLAMA_COMPILERS:-auto-graphs,auto}" --schedules zbv \
+        --torch-eager "" --torch-compiled "" --torch-risky "" --timeout 240 --out-dir "$out/llama"
+      ENGINE_LOG_LEVEL_CALIBRATE=INFO bench "${GPT_TIMEOUT:-220}" 4 29542 --budget "${GPT_BUDGET:-205}" --families gpt \
+        --calibrate "$fresh" --one-gpu-layers 0 --compilers "${GPT_COMPILERS:-auto-graphs-copy}" --schedules zbv \
+        --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 200 --out-dir "$out/gpt"
       cp "$fresh"/cal_*.json "$out/" 2>/dev/null
       ;;
     fourdata)  # 4 GPUs: is a program slower in a step because of its data? zbv at p = 4, each program timed in turn

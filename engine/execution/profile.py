@@ -239,13 +239,15 @@ def measured_scale(plan: Plan, programs: Sequence[Program], profile: Profile) ->
     split = {i.stage for p in programs for i in p.instrs if i.kind in ("backward_input", "backward_weight")}
     spans = []
     for s, st in enumerate(plan.stages):
+        both = st.backward_input_time + st.backward_weight_time
         if s not in split:  # fused BW only: stage_seconds gave it as B
-            rb = rw = _over(b[s], st.backward_input_time + st.backward_weight_time)
+            rb = rw = fused = _over(b[s], both)
         else:
             rb, rw = _over(b[s], st.backward_input_time), _over(w[s], st.backward_weight_time)
+            fused = _over(b[s] + w[s], both)
             if not (b[s] > 0 and st.backward_input_time > 0):  # the first stage: W holds its whole backward
                 rb = rw
-        spans.append(Span(st.start, st.stop, _over(f[s], st.forward_time), rb, rw))
+        spans.append(Span(st.start, st.stop, _over(f[s], st.forward_time), rb, rw, fused))
     return MeasuredScale(plan.num_eqns, spans)
 
 

@@ -79,7 +79,9 @@ class ProgramScale:
     backward: float = 1.0
 
 
-REGIONS_FORMAT = 2  # 2: B's and W's ratios measured apart (`regions._split_shares`); tables before it had one
+REGIONS_FORMAT = 4  # 2: B's and W's ratios measured apart (`regions._split_shares`), tables before it had one;
+# 3: the whole backward's ratio beside them (`measured.Span.backward`); 4: B's and W's ratios from their own
+# programs' seconds, not shares of the fused backward's (`regions._split_shares`)
 
 
 @attrs.frozen
@@ -390,44 +392,58 @@ def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch
     then W's, on the same forward's values), one after the other `repeats` times after WARM_ROUNDS untimed
     rounds and `settle_seconds` more, each timed on its own (CUDA events, or the host clock on CPU); the median
     round of each (program_scale asks for at least three); and the forward's outputs (`ad.out_slots`)."""
-    fwd, bwd = ad.forward, ad.backward
-    slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
-    slots.update((i, x.to(device)) for i, x in enumerate(inputs))
-    run_f, run_b = compile_program(fwd.graph, ()), compile_program(bwd.graph, acc)
-    accs = [torch.zeros_like(slots[param_grads[bwd.out_slots[k]]]) for k in acc]
-    parts = [(run_b, bwd, accs)]
-    if split:
-        for part in (ad.backward_input, ad.backward_weight):
-            summed = tuple(k for k, slot in enumerate(part.out_slots) if slot in param_grads)
-            parts.append((compile_program(part.graph, summed), part,
-                          [torch.zeros_like(slots[param_grads[part.out_slots[k]]]) for k in summed]))
-    clock = Clock(device)
+    return Programs(ad, device, inputs, acc, param_grads, compile_program, split=split).timed(repeats)
 
-    def once(timed: bool) -> None:
+
+class Programs:
+    """A stage's forward and fused backward programs (with `split`, B's and W's too), compiled, with their
+    values on the device, ready to be timed (`timed`), once or again later."""
+
+    def __init__(self, ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
+                 param_grads: dict[int, int], compile_program: ProgramCompiler, *, split: bool = False) -> None:
+        self.ad, self.device, self.split = ad, device, split
+        fwd, bwd = ad.forward, ad.backward
+        self.slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
+        self.slots.update((i, x.to(device)) for i, x in enumerate(inputs))
+        self.run_f = compile_program(fwd.graph, ())
+        accs = [torch.zeros_like(self.slots[param_grads[bwd.out_slots[k]]]) for k in acc]
+        self.parts = [(compile_program(bwd.graph, acc), bwd, accs)]
+        if split:
+            for part in (ad.backward_input, ad.backward_weight):
+                summed = tuple(k for k, slot in enumerate(part.out_slots) if slot in param_grads)
+                self.parts.append((compile_program(part.graph, summed), part,
+                                   [torch.zeros_like(self.slots[param_grads[part.out_slots[k]]]) for k in summed]))
+        self.clock = Clock(device)
+
+    def once(self, timed: bool) -> None:
+        slots, fwd = self.slots, self.ad.forward
         if timed:
-            clock.mark()
-        slots.update(zip(fwd.out_slots, run_f(*[slots[i] for i in fwd.in_slots])))
-        for run, part, sums in parts:
+            self.clock.mark()
+        slots.update(zip(fwd.out_slots, self.run_f(*[slots[i] for i in fwd.in_slots])))
+        for run, part, sums in self.parts:
             if timed:
-                clock.mark()
+                self.clock.mark()
             slots.update(zip(part.out_slots, run(*[slots[i] for i in part.in_slots], *sums)))
 
-    for _ in range(WARM_ROUNDS):
-        once(False)
-    settling = settling_rounds(settle_seconds(device), lambda: once(False), clock)
-    clock.start()  # before the settling rounds: no sync between them and the timed ones
-    for _ in range(settling):
-        once(False)
-    for _ in range(repeats):
-        once(True)
-    clock.mark()
-    gaps = clock.gaps()  # forward, backward[, B, W], forward, ...
-    every = 1 + len(parts)
-    medians = [statistics.median(gaps[k::every]) for k in range(every)]
-    log.info("calibration: forward program %s ms, backward %s ms%s (each round; the medians are kept)",
-             _ms(gaps[0::every]), _ms(gaps[1::every]),
-             f", B {_ms(gaps[2::every])} ms, W {_ms(gaps[3::every])} ms" if split else "")
-    return ProgramRuns(medians[0], medians[1], [slots[i] for i in ad.out_slots], *medians[2:])
+    def timed(self, repeats: int) -> ProgramRuns:
+        """The medians of `repeats` timed rounds, after WARM_ROUNDS untimed ones and `settle_seconds` more."""
+        clock = self.clock
+        for _ in range(WARM_ROUNDS):
+            self.once(False)
+        settling = settling_rounds(settle_seconds(self.device), lambda: self.once(False), clock)
+        clock.start()  # before the settling rounds: no sync between them and the timed ones
+        for _ in range(settling):
+            self.once(False)
+        for _ in range(repeats):
+            self.once(True)
+        clock.mark()
+        gaps = clock.gaps()  # forward, backward[, B, W], forward, ...
+        every = 1 + len(self.parts)
+        medians = [statistics.median(gaps[k::every]) for k in range(every)]
+        log.info("calibration: forward program %s ms, backward %s ms%s (each round; the medians are kept)",
+                 _ms(gaps[0::every]), _ms(gaps[1::every]),
+                 f", B {_ms(gaps[2::every])} ms, W {_ms(gaps[3::every])} ms" if self.split else "")
+        return ProgramRuns(medians[0], medians[1], [self.slots[i] for i in self.ad.out_slots], *medians[2:])
 
 
 def _ms(seconds: Sequence[float]) -> str:

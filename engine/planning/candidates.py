@@ -77,6 +77,15 @@ class Candidates:
         self._blocks: dict[tuple[Any, ...], Blocks] = {} if blocks is None else blocks
         self._exact: dict[int, dict[tuple[int, int, bool], StageCost]] = {}
 
+    def _costs_for(self, table: schedules.Table) -> None:
+        """Cost stages as `table`'s schedule runs their backward: B and W apart at their own measured ratios, or
+        fused at the whole backward's (`CostModel.split_backward`). One schedule's tables all agree, so this
+        changes the model at most once, at the first table, before any exact stage is costed."""
+        split = splits_bw(table)
+        if self.model.split_backward != split:
+            self.model = attrs.evolve(self.model, split_backward=split)
+            self._exact = {}
+
     def memory_for(self, layout: Layout) -> MemoryModel:
         """The memory model of this layout: its dp, and ZeRO-1 where the recipe asks (or "auto" chose it)."""
         recipe = self.memory.recipe
@@ -100,7 +109,7 @@ class Candidates:
     def blocks(self, size: int, fine: bool, *, exact: bool = False, split_bw: bool = False) -> Blocks:
         """Blocks at this microbatch size, with estimated costs or (`exact`) costs from stage autodiff
         (`split_bw`: the schedule runs B and W apart)."""
-        key = (size, fine, exact, split_bw and exact, self.min_blocks, self.traced)
+        key = (size, fine, exact, split_bw and exact, self.min_blocks, self.traced, self.model.split_backward)
         if key not in self._blocks:
             if exact:
                 self._blocks[key] = exact_blocks(self.graph(size), self.blocks(size, fine), self.model,
@@ -123,13 +132,16 @@ class Candidates:
             options = dict(self.options(layout, stages, live))
             if screen and self.schedule in FROM_COSTS:
                 options["search"] = False
-            return build_table(self.build, self.schedule, layout.num_stages, layout.microbatches, options)
+            built = build_table(self.build, self.schedule, layout.num_stages, layout.microbatches, options)
+            self._costs_for(built)
+            return built
         if layout not in self._tables:
             options = dict(self.options(layout))
             if self.schedule in FROM_COSTS:  # the splitter reads only its live counts; what runs is built for costs
                 options["search"] = False
             self._tables[layout] = build_table(self.build, self.schedule, layout.num_stages, layout.microbatches,
                                                options)
+            self._costs_for(self._tables[layout])
         return self._tables[layout]
 
     def live(self, table: schedules.Table) -> tuple[int, ...]:

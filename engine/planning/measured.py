@@ -21,17 +21,26 @@ import ir
 @attrs.frozen
 class Span:
     """Equations [start, stop) of the microbatch graph, whose F, B and W ran `forward`, `backward_input` and
-    `backward_weight` times their planned seconds."""
+    `backward_weight` times their planned seconds, and their whole backward as one program `backward` times
+    (None: not measured apart, taken as W's). B and W split one backward unevenly (inductor speeds B's pointwise
+    work more than W's matmuls), so a stage with no B, whose W graph is its whole backward (the first: nothing
+    upstream takes its input grads), takes `backward`, not W's ratio."""
 
     start: int
     stop: int
     forward: float
     backward_input: float
     backward_weight: float
+    backward: float | None = None
+
+    @property
+    def fused(self) -> float:
+        return self.backward_weight if self.backward is None else self.backward
 
     def __str__(self) -> str:
+        fused = "" if self.backward is None else f" BW x{self.backward:.2f}"
         return (f"eqns {self.start}:{self.stop} F x{self.forward:.2f} B x{self.backward_input:.2f} "
-                f"W x{self.backward_weight:.2f}")
+                f"W x{self.backward_weight:.2f}{fused}")
 
 
 def batch_key(g: ir.Graph) -> str:
@@ -66,6 +75,26 @@ class MeasuredScale:
                 f[i], b[i], w[i] = s.forward, s.backward_input, s.backward_weight
         return f, b, w
 
+    def fused_per_eqn(self, num_eqns: int) -> list[float] | None:
+        """Each equation's whole-backward ratio (`Span.fused`; 1 outside every span), None for another graph."""
+        if num_eqns != self.num_eqns:
+            return None
+        out = [1.0] * num_eqns
+        for s in self.spans:
+            out[s.start:min(s.stop, num_eqns)] = [s.fused] * (min(s.stop, num_eqns) - s.start)
+        return out
+
+    def fused_of_range(self, times: Sequence[float], start: int, stop: int, num_eqns: int) -> float:
+        """The whole-backward ratio of equations [start, stop), weighted as `of_range` weighs."""
+        ratios = self.fused_per_eqn(num_eqns)
+        if ratios is None or stop <= start:
+            return 1.0
+        weights = list(times)
+        total = sum(weights)
+        if total <= 0:
+            weights, total = [1.0] * (stop - start), float(stop - start)
+        return sum(wt * r for wt, r in zip(weights, ratios[start:stop])) / total
+
     def of_range(self, times: Sequence[float], start: int, stop: int, num_eqns: int) -> tuple[float, float, float]:
         """The F, B, W ratios of equations [start, stop) of a graph of `num_eqns`, weighted by `times` (those
         equations' unscaled forward seconds; equally where they sum to 0); (1, 1, 1) for another graph."""
@@ -94,12 +123,14 @@ def combined(first: MeasuredScale | None, then: MeasuredScale | None) -> Measure
         raise ValueError(f"scales of graphs of {first.num_eqns} and {then.num_eqns} equations do not combine")
     n = first.num_eqns
     a, b = first.per_eqn(n), then.per_eqn(n)
-    assert a is not None and b is not None
-    ratios = [(a[0][i] * b[0][i], a[1][i] * b[1][i], a[2][i] * b[2][i]) for i in range(n)]
+    fa, fb = first.fused_per_eqn(n), then.fused_per_eqn(n)
+    assert a is not None and b is not None and fa is not None and fb is not None
+    ratios = [(a[0][i] * b[0][i], a[1][i] * b[1][i], a[2][i] * b[2][i], fa[i] * fb[i]) for i in range(n)]
     spans: list[Span] = []
     for i, r in enumerate(ratios):
-        if spans and (spans[-1].forward, spans[-1].backward_input, spans[-1].backward_weight) == r:
-            spans[-1] = attrs.evolve(spans[-1], stop=i + 1)
+        last = spans[-1] if spans else None
+        if last is not None and (last.forward, last.backward_input, last.backward_weight, last.backward) == r:
+            spans[-1] = attrs.evolve(last, stop=i + 1)
         else:
             spans.append(Span(i, i + 1, *r))
     return MeasuredScale(n, spans, first.batch or then.batch)

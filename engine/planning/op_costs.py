@@ -56,6 +56,7 @@ class CostModel:
     calibration: Calibration | None = None
     measured: MeasuredScale | None = None  # the stage programs' measured / planned seconds (engine.planning.measured)
     placed: bool = True  # False: no per-span scale (a block's cost shared by the blocks that print alike)
+    split_backward: bool = True  # the schedule runs B and W apart; else fused, both at the whole backward's ratio
     _scales: dict[int, tuple[ir.Graph, MeasuredScale | None]] = attrs.field(factory=dict, init=False, eq=False,
                                                                           repr=False)  # per graph: scale_of
 
@@ -83,17 +84,35 @@ class CostModel:
         return hit[1]
 
     def stage_scale(self, graph: ir.Graph, start: int, stop: int) -> tuple[float, float, float]:
-        """The measured F, B, W ratios of equations [start, stop) of the microbatch graph ((1, 1, 1) unmeasured)."""
+        """The measured F, B, W ratios of equations [start, stop) of the microbatch graph ((1, 1, 1) unmeasured);
+        without `split_backward`, B's and W's are both the whole backward's (`measured.Span.fused`): split apart,
+        B and W cost more than as one program (a Llama block's 5-6 % on an H100, inductor)."""
         scale = self.scale_of(graph)
         if scale is None:
             return 1.0, 1.0, 1.0
         times = [self.eqn_time(e) for e in graph.eqns[start:stop]]
-        return scale.of_range(times, start, stop, len(graph.eqns))
+        f, b, w = scale.of_range(times, start, stop, len(graph.eqns))
+        if not self.split_backward:  # one BW program: B's and W's ops at the whole backward's ratio
+            b = w = scale.fused_of_range(times, start, stop, len(graph.eqns))
+        return f, b, w
+
+    def stage_fused_scale(self, graph: ir.Graph, start: int, stop: int) -> float:
+        """The measured whole-backward ratio of equations [start, stop) (`measured.Span.fused`; 1 unmeasured)."""
+        scale = self.scale_of(graph)
+        if scale is None:
+            return 1.0
+        return scale.fused_of_range([self.eqn_time(e) for e in graph.eqns[start:stop]], start, stop, len(graph.eqns))
 
     def eqn_scales(self, graph: ir.Graph) -> tuple[list[float], list[float], list[float]] | None:
-        """Each equation's measured F, B, W ratio for the microbatch graph, or None (unmeasured, another graph)."""
+        """Each equation's measured F, B, W ratio for the microbatch graph, or None (unmeasured, another graph);
+        as `stage_scale`, B's and W's the whole backward's without `split_backward`."""
         scale = self.scale_of(graph)
-        return None if scale is None else scale.per_eqn(len(graph.eqns))
+        ratios = None if scale is None else scale.per_eqn(len(graph.eqns))
+        if ratios is None or self.split_backward:
+            return ratios
+        fused = scale.fused_per_eqn(len(graph.eqns))
+        assert scale is not None and fused is not None
+        return ratios[0], fused, fused
 
     def eqn_time(self, e: ir.Eqn, *, backward: bool = False) -> float:
         """Predicted seconds for one equation; zero for views. A calibrated time carries the forward program

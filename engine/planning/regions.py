@@ -30,7 +30,7 @@ import ir
 
 from .artifacts import autodiff
 from .blocks import crossing_bytes, module_cuts
-from .calibration import (Calibration, ProgramCompiler, ProgramRuns, calibrate, ops_sums, program_seconds, signature,
+from .calibration import (Calibration, ProgramCompiler, ProgramRuns, Programs, calibrate, ops_sums, signature,
                           split_sums)
 from .measured import MeasuredScale, Span, batch_key
 
@@ -96,8 +96,7 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
     if not cuts or len(inputs) != len(g.inputs):
         return None, cal
     values: dict[int, torch.Tensor] = {}  # crossing value id -> its tensor, from the region before
-    runs = []  # per region: (start, stop, forward sum, backward sum, forward seconds, backward seconds,
-    # B's and W's factors on the backward's ratio)
+    measured = []  # per region: (its stage, its ops' sums, its programs' seconds, its programs while held)
     for stage in ir.split(g, cuts):
         ad = autodiff(stage, level, device=str(device))  # as a plan's stage's programs are made
         for part in (ad.forward, ad.backward, ad.backward_input, ad.backward_weight):
@@ -109,12 +108,18 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
             return None, cal
         ins = [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)] + [values[v] for v in stage.acts_in]
         try:
-            ran = _timed(ad, device, ins, sums.accumulate, sums.param_grads, repeats, compile_program)
+            ran, programs = _held_timed(ad, device, ins, sums.accumulate, sums.param_grads, repeats,
+                                        compile_program, measured)
         except RuntimeError as err:  # out of memory, a compiler's failure: the whole model's scale stands alone
             log.warning("region scales not measured (equations %d:%d): %s: %s", stage.start, stage.stop,
                         type(err).__name__, err)
             return None, cal
         values.update(zip(stage.acts_out, ran.outs))
+        measured.append((stage, ad, sums, ran, programs))
+    runs = []  # per region: (start, stop, forward sum, backward sum, forward seconds, backward seconds,
+    # B's and W's factors on the backward's ratio)
+    for (stage, ad, sums, ran, programs), again in zip(measured, _again([m[4] for m in measured], repeats)):
+        ran = _faster(ran, again)
         runs.append((stage.start, stage.stop, sums.forward, sums.backward, ran.forward, ran.backward,
                      *_split_shares(ran, sums.backward, *split_sums(ad, cal, sums.param_grads, stage.graph))))
     found = MeasuredScale(len(g.eqns), _normalised(runs), batch_key(g))
@@ -122,45 +127,96 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
     return found, cal
 
 
-def _timed(ad: ir.StageAD, device: torch.device, ins: Sequence[torch.Tensor], acc: tuple[int, ...],
-           param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler) -> ProgramRuns:
-    """A region's programs timed with its backward split as well; where the split ones cannot run (they hold a
-    second set of weight grads and B's hand-over beside the fused backward's: out of memory, say), the forward
-    and fused backward alone (logged), so the region keeps its scale with one ratio for B and W."""
+def _held_timed(ad: ir.StageAD, device: torch.device, ins: Sequence[torch.Tensor], acc: tuple[int, ...],
+                param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler,
+                measured: list[tuple]) -> tuple[ProgramRuns, Programs]:
+    """A region's programs timed with its backward split as well, and the programs, held for their second
+    timing (`_again`) beside the regions' before it. Where that leaves too little memory, the regions before are
+    let go (each keeps its first timing) and it is tried again; where the split programs still cannot run (they
+    hold a second set of weight grads and B's hand-over beside the fused backward's), the forward and fused
+    backward alone, so the region keeps its scale with one ratio for B and W (both logged)."""
+    def attempt(split: bool) -> tuple[ProgramRuns, Programs]:
+        programs = Programs(ad, device, ins, acc, param_grads, compile_program, split=split)
+        return programs.timed(repeats), programs
+
     try:
-        return program_seconds(ad, device, ins, acc, param_grads, repeats, compile_program, split=True)
+        return attempt(True)
     except RuntimeError as err:
-        log.warning("region B and W not timed apart (one ratio for both): %s: %s", type(err).__name__, err)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return program_seconds(ad, device, ins, acc, param_grads, repeats, compile_program)
+        failed = err
+    if any(m[4] is not None for m in measured):
+        log.warning("regions timed once: holding them for a second timing leaves too little memory (%s: %s)",
+                    type(failed).__name__, failed)
+        measured[:] = [(*m[:4], None) for m in measured]
+        _free(device)
+        try:
+            return attempt(True)
+        except RuntimeError as err:
+            failed = err
+    log.warning("region B and W not timed apart (one ratio for both): %s: %s", type(failed).__name__, failed)
+    _free(device)
+    return attempt(False)
+
+
+def _again(held: Sequence[Programs | None], repeats: int) -> list[ProgramRuns | None]:
+    """Every region's programs timed a second time, once all are compiled. The first timing of a region runs
+    right after its compile, beside whatever the host still does (a compiler's workers, other ranks' compiles:
+    a program whose launches outrun its kernels then runs slow), and one outlier skews the planner: a Llama's
+    fourth to ninth blocks, alike, timed 0.94 x and 1.17 x the model's mean forward in two regions
+    (4 x H100, 2026-11-27). None for a region let go or one that fails now."""
+    out: list[ProgramRuns | None] = []
+    for programs in held:
+        try:
+            out.append(None if programs is None else programs.timed(repeats))
+        except RuntimeError as err:
+            log.warning("a region's second timing failed (its first stands): %s: %s", type(err).__name__, err)
+            out.append(None)
+    return out
+
+
+def _faster(first: ProgramRuns, again: ProgramRuns | None) -> ProgramRuns:
+    """Each program's faster time of two timings (noise on a device only slows a program down)."""
+    if again is None:
+        return first
+
+    def least(a: float | None, b: float | None) -> float | None:
+        return a if b is None else b if a is None else min(a, b)
+
+    return attrs.evolve(first, forward=min(first.forward, again.forward), backward=min(first.backward, again.backward),
+                        backward_input=least(first.backward_input, again.backward_input),
+                        backward_weight=least(first.backward_weight, again.backward_weight))
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _split_shares(ran: ProgramRuns, fused_sum: float, b_sum: float, w_sum: float) -> tuple[float, float]:
-    """How a region's backward ratio divides between B and W: factors on the fused backward's ratio that give
-    B and W their measured shares of the split programs' seconds while B's and W's ops at those ratios add up to
-    the fused backward's measured seconds (a step of a schedule that fuses them is costed as before). The
-    whole model's calibrated ratio cannot tell them apart, and a compiler speeds them unevenly: a Llama's
-    inductor-compiled block stages ran W 1.45-1.94 x and B 0.72-0.85 x what the planner gave them, GPT's W
-    0.90-0.98 and B 0.96-1.06 (4 x H100, session 21's start-up measured scales). (1, 1) where a part is empty (the first region's
-    B: no input grads) or was not measured."""
-    b_run, w_run = ran.backward_input, ran.backward_weight
-    if b_run is None or w_run is None or b_run + w_run <= 0 or b_sum <= 0 or w_sum <= 0 or fused_sum <= 0:
+    """Factors on a region's fused backward ratio that give B's and W's ops the seconds their own programs ran
+    (`program_seconds(split=True)`), each a share of the fused backward's measured seconds: B's program over the
+    fused one's, and W's. The whole model's calibrated ratio cannot tell B from W, and a compiler speeds them
+    unevenly (a Llama's inductor-compiled block stages ran W 1.45-1.94 x and B 0.72-0.85 x what one ratio gave
+    them, GPT's W 0.90-0.98 and B 0.96-1.06: 4 x H100, session 21's start-up measured scales); and apart they
+    cost more than fused (a Llama's B + W 1.05-1.06 x its fused backward, 4 x H100, 2026-11-27), which a
+    schedule that splits them pays while one that fuses them does not (it takes `Span.backward`). (1, 1) where
+    a part is empty (the first region's B: no input grads) or was not measured."""
+    b_run, w_run, fused_run = ran.backward_input, ran.backward_weight, ran.backward
+    if b_run is None or w_run is None or b_run <= 0 or w_run <= 0 or fused_run <= 0 or min(b_sum, w_sum,
+                                                                                         fused_sum) <= 0:
         return 1.0, 1.0
-    share = w_run / (b_run + w_run)
-    return (1 - share) * fused_sum / b_sum, share * fused_sum / w_sum
+    return b_run / fused_run * fused_sum / b_sum, w_run / fused_run * fused_sum / w_sum
 
 
 def _normalised(runs: Sequence[tuple[float, ...]]) -> list[Span]:
     """Each region's forward and backward seconds over its ops' sums, scaled so their means weighted by the
     regions' ops' sums are 1; B's and W's ratios are the backward's times the region's `_split_shares` (its
-    7th and 8th numbers; 1 where a run has none)."""
+    7th and 8th numbers; 1 where a run has none), and the whole backward's (`Span.backward`) is the backward's."""
     f = [run[4] / run[2] if run[2] > 0 else 1.0 for run in runs]
     b = [run[5] / run[3] if run[3] > 0 else 1.0 for run in runs]
     f_mean = _weighted_mean(f, [r[2] for r in runs])
     b_mean = _weighted_mean(b, [r[3] for r in runs])
     shares = [tuple(run[6:8]) if len(run) >= 8 else (1.0, 1.0) for run in runs]
-    return [Span(int(run[0]), int(run[1]), fr / f_mean, br * kb / b_mean, br * kw / b_mean)
+    return [Span(int(run[0]), int(run[1]), fr / f_mean, br * kb / b_mean, br * kw / b_mean, br / b_mean)
             for run, fr, br, (kb, kw) in zip(runs, f, b, shares)]
 
 

@@ -143,6 +143,8 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentia
     cts = {s for s in ad.ct_slots if s is not None}
     after_b = set(w.in_slots) & (from_f | acts_in | cts) | b_to_w  # what waits for W once B is done
     fx, bx, wx = model.stage_scale(graph, stage.start, stage.stop)  # (1, 1, 1) unless programs were measured
+    if not acts_in:  # no B: W's graph is the whole backward, at the whole backward's ratio
+        wx = model.stage_fused_scale(graph, stage.start, stage.stop)
     forward = model.graph_time(f.graph)
     b_time = model.graph_time(b.graph, backward=True)  # calibrated ops at the backward program scale
     if recompute is True:  # B redoes the forward: that part at the forward's scale

@@ -105,8 +105,8 @@ def test_the_scale_is_the_measured_over_planned_ratio_of_each_stage() -> None:
     programs = [assemble(planned, r) for r in range(2)]
     scale = measured_scale(planned.plan, programs, _slowed(planned, 1, 3.0))
     st = planned.plan.stages
-    assert scale == MeasuredScale(planned.plan.num_eqns, [Span(st[0].start, st[0].stop, 1.0, 1.0, 1.0),
-                                                          Span(st[1].start, st[1].stop, 3.0, 3.0, 3.0)])
+    assert scale == MeasuredScale(planned.plan.num_eqns, [Span(st[0].start, st[0].stop, 1.0, 1.0, 1.0, 1.0),
+                                                          Span(st[1].start, st[1].stop, 3.0, 3.0, 3.0, 3.0)])
 
 
 def test_the_first_stage_of_a_split_backward_scales_its_b_as_its_w() -> None:
@@ -166,6 +166,14 @@ def test_a_range_takes_its_equations_ratios_weighted_by_their_forward_times() ->
     assert scale.of_range([0.0, 0.0], 1, 3, 4) == pytest.approx((2.0, 1.5, 3.0))  # no times: equal weights
     assert scale.of_range([1.0, 3.0], 1, 3, 5) == (1.0, 1.0, 1.0)  # another graph: not scaled
     assert scale.per_eqn(4) == ([1.0, 1.0, 3.0, 3.0], [1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 5.0, 5.0])
+
+
+def test_the_whole_backwards_ratio_is_its_own_and_w_s_where_not_measured() -> None:
+    scale = MeasuredScale(4, [Span(0, 2, 1.0, 1.0, 1.0), Span(2, 4, 3.0, 0.5, 2.0, 1.2)])
+    assert scale.fused_per_eqn(4) == [1.0, 1.0, 1.2, 1.2] and scale.fused_per_eqn(5) is None
+    assert scale.fused_of_range([1.0, 3.0], 1, 3, 4) == pytest.approx((1 * 1.0 + 3 * 1.2) / 4)
+    assert scale.fused_of_range([1.0, 3.0], 1, 3, 5) == 1.0
+    assert "BW x1.20" in str(scale) and str(scale).count("BW") == 1
 
 
 @pytest.mark.mpi

@@ -1,6 +1,7 @@
 """Region scales: the calibration times the model's programs span by span, and the planner splits by them."""
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -71,6 +72,7 @@ def test_combined_multiplies_each_equations_ratios() -> None:
     both = combined(regions, stages)
     assert both is not None and both.per_eqn(6) == (
         [2.0, 2.0, 2.0, 0.5, 0.5, 0.5], [1.5, 1.5, 2.0, 2.0, 2.0, 2.0], [1.5, 1.5, 3.0, 3.0, 3.0, 3.0])
+    assert both.fused_per_eqn(6) == [1.5, 1.5, 3.0, 3.0, 3.0, 3.0]  # unmeasured whole backwards: W's
     assert [(s.start, s.stop) for s in both.spans] == [(0, 2), (2, 3), (3, 6)] and both.batch == "b"
     assert combined(None, stages) is stages and combined(regions, None) is regions
     with pytest.raises(ValueError, match="6 and 7 equations"):
@@ -88,26 +90,75 @@ def test_region_ratios_are_normalised_to_a_weighted_mean_of_one() -> None:
     assert [s.backward_weight for s in spans] == [s.backward_input for s in spans]
 
 
-def test_a_regions_backward_ratio_divides_between_b_and_w_as_their_programs_measured() -> None:
+def test_a_regions_b_and_w_take_the_seconds_their_own_programs_ran() -> None:
     """A region whose fused backward ran 2 x its ops' sum (6 ms for 3): B's ops sum 1 ms, W's 2 ms; the split
-    programs ran B 1 ms and W 4 ms, so W takes 4/5 of the backward's 6 ms: W 4.8 ms (2.4 x its ops), B 1.2 ms
-    (1.2 x), adding up to the fused 6 ms. A region without a B (no input grads) or whose split was not
-    measured keeps one ratio."""
+    programs ran B 1.5 ms and W 5.1 ms (apart they cost 10 % more than fused), so B gets 1.5 x its ops and W
+    2.55 x: a schedule that splits them pays the 6.6 ms, one that fuses them the whole backward's 6 ms
+    (`Span.backward`). A region without a B (no input grads) or whose split was not measured keeps one ratio."""
     from engine.planning.calibration import ProgramRuns
     from engine.planning.regions import _split_shares
 
-    ran = ProgramRuns(1e-3, 6e-3, [], 1e-3, 4e-3)
+    ran = ProgramRuns(1e-3, 6e-3, [], 1.5e-3, 5.1e-3)
     kb, kw = _split_shares(ran, 3e-3, 1e-3, 2e-3)
-    assert (2.0 * kb * 1e-3, 2.0 * kw * 2e-3) == (pytest.approx(1.2e-3), pytest.approx(4.8e-3))
+    assert (2.0 * kb * 1e-3, 2.0 * kw * 2e-3) == (pytest.approx(1.5e-3), pytest.approx(5.1e-3))
     assert _split_shares(ran, 3e-3, 0.0, 3e-3) == (1.0, 1.0)
     assert _split_shares(ProgramRuns(1e-3, 6e-3, []), 3e-3, 1e-3, 2e-3) == (1.0, 1.0)
     spans = _normalised([(0, 4, 1e-3, 3e-3, 1e-3, 6e-3, kb, kw)])
-    assert (spans[0].backward_input, spans[0].backward_weight) == (pytest.approx(0.6), pytest.approx(1.2))
+    assert (spans[0].backward_input, spans[0].backward_weight) == (pytest.approx(0.75), pytest.approx(1.275))
     # beside a region whose backward ran 1 x its 3 ms of ops, undivided: the mean backward ratio, weighted by the
     # fused sums, is 1.5, so the first region's B and W are 2 / 1.5 x its factors and the second's 1 / 1.5
     two = _normalised([(0, 4, 1e-3, 3e-3, 1e-3, 6e-3, kb, kw), (4, 8, 1e-3, 3e-3, 1e-3, 3e-3)])
     assert [(s.backward_input, s.backward_weight) for s in two] == [
-        (pytest.approx(2 / 1.5 * 0.6), pytest.approx(2 / 1.5 * 1.2)), (pytest.approx(1 / 1.5), pytest.approx(1 / 1.5))]
+        (pytest.approx(2 / 1.5 * 0.75), pytest.approx(2 / 1.5 * 1.275)), (pytest.approx(1 / 1.5), pytest.approx(1 / 1.5))]
+    assert [s.backward for s in two] == [pytest.approx(2 / 1.5), pytest.approx(1 / 1.5)]  # the whole backward's
+
+
+def test_a_stage_with_no_b_costs_its_backward_at_the_whole_backwards_ratio() -> None:
+    """The first stage's W graph is its whole backward (nothing upstream takes its input grads): under region
+    scales whose B runs 0.5 x and W 2 x while the whole backward runs 1 x, the one-stage plan's backward is
+    costed at 1 x, and a later stage's B and W at their own ratios."""
+    from engine.planning.devices import get_device, get_link
+    from engine.planning.op_costs import CostModel
+    from engine.planning.stage_costs import exact
+
+    params, inputs, g = _model()
+    cal = calibrate_training(g, "cpu", repeats=2)
+    cpu = get_device("cpu")
+    plain = CostModel(cpu, get_link(None, cpu), cal)
+    skewed = MeasuredScale(len(g.eqns), [Span(0, len(g.eqns), 1.0, 0.5, 2.0, 1.0)], batch_key(g))
+    model = CostModel(cpu, get_link(None, cpu), attrs.evolve(cal, regions={"fx": skewed}))
+    (one,), (base,) = exact(g, [], model), exact(g, [], plain)
+    assert one.backward_input == base.backward_input == 0.0
+    assert one.backward_weight == pytest.approx(base.backward_weight, rel=1e-12)
+    cut = len(g.eqns) // 2
+    two, bases = exact(g, [cut], model), exact(g, [cut], plain)
+    assert two[1].backward_input == pytest.approx(0.5 * bases[1].backward_input, rel=1e-12)
+    assert two[1].backward_weight == pytest.approx(2.0 * bases[1].backward_weight, rel=1e-12)
+    assert two[0].backward_weight == pytest.approx(bases[0].backward_weight, rel=1e-12)
+    fused = exact(g, [cut], attrs.evolve(model, split_backward=False))  # a schedule of one BW program a stage
+    assert fused[1].backward_input == pytest.approx(bases[1].backward_input, rel=1e-12)
+    assert fused[1].backward_weight == pytest.approx(bases[1].backward_weight, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,split", [("1f1b", False), ("zb-h1", True)])
+def test_the_planner_costs_a_backward_as_its_schedule_runs_it(schedule: str, split: bool) -> None:
+    """Region scales whose B runs 0.5 x, W 2 x and the whole backward 1.5 x: 1F1B's stages (one BW program
+    each) cost their backward at 1.5 x, zb-h1's (B and W apart) at B's and W's own."""
+    params, inputs, g = _model()
+    x = inputs[-1]
+    cal = calibrate_training(g, "cpu", repeats=2)
+    skewed = MeasuredScale(len(g.eqns), [Span(0, len(g.eqns), 1.0, 0.5, 2.0, 1.5)])  # any microbatch's graph
+    plain = engine.plan(_mlp, params, x, world_size=2, schedule=schedule, microbatches=4, device="cpu",
+                        calibration=cal)
+    skew = engine.plan(_mlp, params, x, world_size=2, schedule=schedule, microbatches=4, device="cpu",
+                       calibration=attrs.evolve(cal, regions={"fx": skewed}), cuts=plain.cuts)
+    a, b = plain.stages[1], skew.stages[1]
+    if split:
+        assert (b.backward_input_time, b.backward_weight_time) == (
+            pytest.approx(0.5 * a.backward_input_time), pytest.approx(2.0 * a.backward_weight_time))
+    else:
+        assert b.backward_input_time + b.backward_weight_time == pytest.approx(
+            1.5 * (a.backward_input_time + a.backward_weight_time))
 
 
 def test_a_region_whose_split_programs_cannot_run_keeps_one_backward_ratio(  # type: ignore[no-untyped-def]
@@ -181,6 +232,65 @@ def test_a_slow_region_is_measured_slow_relative_to_the_others() -> None:
     assert found.spans[0].backward_input < 20 * min(s.backward_input for s in found.spans[1:])
 
 
+def _slow_while(slow: Any) -> Any:
+    """A 'compiler' whose first forward program compiled (region 0's) sleeps 30 ms a run while `slow(run)` (its
+    runs counted from 0)."""
+    def compile_program(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
+        fn = ir.compile_graph(graph, acc)
+        if acc or compile_program.made:  # type: ignore[attr-defined]
+            return fn
+        compile_program.made = True  # type: ignore[attr-defined]
+        runs = itertools.count()
+
+        def run(*args: Any) -> Any:
+            if slow(next(runs)):
+                time.sleep(0.03)
+            return fn(*args)
+        return run
+    compile_program.made = False  # type: ignore[attr-defined]
+    return compile_program
+
+
+def test_a_region_slow_only_at_its_first_timing_is_measured_by_its_second() -> None:
+    """Each region is timed once right after its compile and again once all are compiled, and keeps each
+    program's faster time: region 0's forward, slow through its first timing alone (its first 5 runs: 2 warm
+    rounds, 3 timed), is measured about as fast as the others'; slow through both, it stays slow."""
+    params, inputs, g = _model()
+    cal = calibrate_training(g, "cpu", repeats=2)
+    dev = torch.device("cpu")
+    first, _ = region_scale(g, dev, cal, inputs, compile_program=_slow_while(lambda run: run < 5))
+    both, _ = region_scale(g, dev, cal, inputs, compile_program=_slow_while(lambda run: True))
+    assert first is not None and both is not None and len(first.spans) == len(both.spans) == 4
+    assert both.spans[0].forward > 20 * max(s.forward for s in both.spans[1:])
+    assert first.spans[0].forward < 5 * max(s.forward for s in first.spans[1:])
+
+
+def test_regions_let_go_of_the_ones_before_where_holding_them_runs_out_of_memory(  # type: ignore[no-untyped-def]
+        monkeypatch) -> None:
+    """The regions are held for their second timing; the third region's programs fail once (out of memory,
+    scripted): the ones before are let go (each keeps its first timing), the third is timed again, and the
+    scale stands."""
+    from engine.planning import regions
+
+    params, inputs, g = _model()
+    cal = calibrate_training(g, "cpu", repeats=2)
+    real, made = regions.Programs, {"n": 0, "failed": 0}
+
+    def programs(*args: Any, **kw: Any) -> Any:
+        made["n"] += 1
+        if made["n"] == 3 and not made["failed"]:
+            made["failed"] = 1
+            raise RuntimeError("CUDA out of memory (scripted)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(regions, "Programs", programs)
+    told: list[str] = []
+    monkeypatch.setattr(regions.log, "warning", lambda msg, *a: told.append(msg % a))
+    found, _ = region_scale(g, torch.device("cpu"), cal, inputs)
+    assert found is not None and len(found.spans) == 4
+    assert any("regions timed once" in t for t in told) and made["n"] == 5  # the third's made twice
+
+
 def test_ops_only_a_regions_programs_have_are_timed_and_kept() -> None:
     """A table that lacks the ops of the regions' backward programs (as a cut's input grads are lacking from
     the whole model's table): the regions time them rather than giving up, and the grown table keeps them."""
@@ -244,7 +354,7 @@ def test_a_region_that_cannot_run_is_recorded_and_not_tried_again() -> None:
 
     table = calibrate_training(g, "cpu", repeats=2, inputs=inputs)
     out = with_regions(g, dev, table, inputs, {"fx": failing})
-    # tried twice: with the split backward, then without it (`regions._timed`); then recorded
+    # tried twice: with the split backward, then without it (`regions._held_timed`); then recorded
     assert out.regions["fx"].spans == () and out.regions["fx"].matches(g) and tries["n"] == 2
     assert with_regions(g, dev, out, inputs, {"fx": failing}, out) == out and tries["n"] == 2
 
