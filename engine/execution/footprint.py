@@ -222,7 +222,13 @@ def footprint(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, *, 
         return _graphed_footprint(program, infos, graph, microbatches=microbatches, measured=measured,
                                   resident=resident)
     param_bytes, static = _static(program, infos, graph, microbatches, resident)
-    replay = _Replay(infos, param_bytes, measured)
+    held, peak, peak_at = _walk(_Replay(infos, param_bytes, measured), program, static)
+    return Footprint(program.rank, static, static + peak, peak_at, tuple(held))
+
+
+def _walk(replay: _Replay, program: Program, base: int) -> tuple[list[int], int, int]:
+    """Replay `program`: (the bytes held after each instruction, `base` included; the most held beyond `base`
+    at any point; the instruction where)."""
     held, peak, peak_at = [], 0, 0
     for i, ins in enumerate(program.instrs):
         replay.top = 0
@@ -230,8 +236,8 @@ def footprint(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, *, 
         top = max(replay.top, replay.now)
         if top > peak:
             peak, peak_at = top, i
-        held.append(static + replay.now)
-    return Footprint(program.rank, static, static + peak, peak_at, tuple(held))
+        held.append(base + replay.now)
+    return held, peak, peak_at
 
 
 def _static(program: Program, infos: Sequence[StageInfo], graph: ir.Graph, microbatches: int,
@@ -256,15 +262,7 @@ def _graphed_footprint(program: Program, infos: Sequence[StageInfo], graph: ir.G
         getattr(first, HANDLERS[ins.kind])(ins)
     base = static + sum(first.kept.values()) + first.pool_peak
     replay = _Graphed(infos, param_bytes, batch_bytes, measured)
-    held, peak, peak_at = [], 0, 0
-    for i, ins in enumerate(program.instrs):
-        replay.top = 0
-        getattr(replay, HANDLERS[ins.kind])(ins)
-        top = max(replay.top, replay.now)
-        if top > peak:
-            peak, peak_at = top, i
-        held.append(base + replay.now)
-    last = len(program.instrs) - 1
+    held, peak, peak_at = _walk(replay, program, base)
     if replay.now + first.handed_out() > peak:
-        peak, peak_at = replay.now + first.handed_out(), last
+        peak, peak_at = replay.now + first.handed_out(), len(program.instrs) - 1
     return Footprint(program.rank, static, base + peak, peak_at, tuple(held), first.pool_peak, sum(first.kept.values()))
