@@ -255,17 +255,25 @@ class Executor:
             self.tracer.ready()
         # Stage inputs and cotangents were traced as contiguous placeholders; a value handed over on the
         # same rank (zbv's turn of the V) or given by the user may not be, and a traced `view` needs it.
-        for pos, _ in (*call.batch, *call.buffers):
+        graphed = self.graphs is not None and self.graphs.active
+        inside = []  # with graphs, a buffer's copy is made inside the graph: in its pool, not held for good
+        for pos, where in [(pos, "user") for pos, _ in call.batch] + [(pos, "runtime") for pos, _ in call.buffers]:
             if pos in call.contiguous and not args[pos].is_contiguous():
-                args[pos] = args[pos].contiguous()
+                if graphed and where == "runtime":
+                    inside.append(pos)
+                else:
+                    args[pos] = args[pos].contiguous()
         accs = [self.accumulator(p) for p in call.grads]
         if self.capture is not None:
-            self.capture.setdefault((call.stage, call.kind, call.accumulate), (list(args), accs))
+            self.capture.setdefault((call.stage, call.kind, call.accumulate),
+                                    ([a.contiguous() if k in inside else a for k, a in enumerate(args)], accs))
         key = (call.stage, call.kind, call.accumulate)
         with self._annotation(call):
-            if self.graphs is not None and self.graphs.active:
+            if graphed:
                 users = [pos for pos, _ in (*call.params, *call.batch)]  # the user's tensors: never written
-                outs = self.graphs.run(id(ins), key, self._part(*key), [*args, *accs], users)
+                part = self._part(*key)
+                outs = self.graphs.run(id(ins), key, _contiguous_at(part, inside) if inside else part,
+                                       [*args, *accs], users)
             else:
                 outs = self._part(*key)(*args, *accs)
         self.bufs.update((ref, outs[k]) for k, ref in call.writes)
@@ -397,3 +405,11 @@ HANDLERS: dict[str, Callable[[Executor, Instr], None]] = {
     "comm": Executor.comm, "free": Executor.free, "loss_grad": Executor.loss_grad, "add_loss": Executor.add_loss,
     "reduce_grads": Executor.reduce_grads, "reduce_loss": Executor.reduce_loss,
 }
+
+
+def _contiguous_at(fn: Callable[..., Any], positions: Sequence[int]) -> Callable[..., Any]:
+    """`fn` with its arguments at `positions` made contiguous first (inside a captured graph: the copies are
+    the graph's own temporaries, in its pool)."""
+    def run(*args: Any) -> Any:
+        return fn(*[a.contiguous() if k in positions else a for k, a in enumerate(args)])
+    return run

@@ -25,7 +25,8 @@ from .dp_memory import with_allreduce
 from .memory import MemoryModel, peak_live, rank_peaks, stage_peaks
 from .op_costs import CostModel
 from .split import BlockCosts, Partition, balance_ranks
-from .stage_costs import RecomputeCosts, StageCost, estimate, exact, exact_blocks, schedule_costs, split_recompute, splits_bw
+from .stage_costs import (RecomputeCosts, StageCost, estimate, exact, exact_blocks, mostly_split, schedule_costs,
+                          split_recompute, splits_bw)
 
 MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": "stages_per_rank", "looped-bfs": "stages_per_rank",
                          "interleaved-zb": "stages_per_rank", "zbv": None, "dualpipev": None}
@@ -78,10 +79,11 @@ class Candidates:
         self._exact: dict[int, dict[tuple[int, int, bool], StageCost]] = {}
 
     def _costs_for(self, table: schedules.Table) -> None:
-        """Cost stages as `table`'s schedule runs their backward: B and W apart at their own measured ratios, or
-        fused at the whole backward's (`CostModel.split_backward`). One schedule's tables all agree, so this
-        changes the model at most once, at the first table, before any exact stage is costed."""
-        split = splits_bw(table)
+        """Cost stages as `table`'s schedule runs most of their backwards (`mostly_split`): B and W apart at
+        their own measured ratios, or fused at the whole backward's (`CostModel.split_backward`). One schedule's
+        tables agree, so this changes the model at most once, at the first table, before any exact stage is
+        costed."""
+        split = mostly_split(table)
         if self.model.split_backward != split:
             self.model = attrs.evolve(self.model, split_backward=split)
             self._exact = {}

@@ -116,6 +116,7 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
             return None, cal
         values.update(zip(stage.acts_out, ran.outs))
         measured.append((stage, ad, sums, ran, programs))
+        del programs  # held in `measured` alone: letting go there frees it
     runs = []  # per region: (start, stop, forward sum, backward sum, forward seconds, backward seconds,
     # B's and W's factors on the backward's ratio)
     for (stage, ad, sums, ran, programs), again in zip(measured, _again([m[4] for m in measured], repeats)):
@@ -142,7 +143,7 @@ def _held_timed(ad: ir.StageAD, device: torch.device, ins: Sequence[torch.Tensor
     try:
         return attempt(True)
     except RuntimeError as err:
-        failed = err
+        failed = err.with_traceback(None)  # its frames would hold the failed attempt's tensors
     if any(m[4] is not None for m in measured):
         log.warning("regions timed once: holding them for a second timing leaves too little memory (%s: %s)",
                     type(failed).__name__, failed)
@@ -151,7 +152,7 @@ def _held_timed(ad: ir.StageAD, device: torch.device, ins: Sequence[torch.Tensor
         try:
             return attempt(True)
         except RuntimeError as err:
-            failed = err
+            failed = err.with_traceback(None)
     log.warning("region B and W not timed apart (one ratio for both): %s: %s", type(failed).__name__, failed)
     _free(device)
     return attempt(False)
@@ -162,14 +163,18 @@ def _again(held: Sequence[Programs | None], repeats: int) -> list[ProgramRuns | 
     right after its compile, beside whatever the host still does (a compiler's workers, other ranks' compiles:
     a program whose launches outrun its kernels then runs slow), and one outlier skews the planner: a Llama's
     fourth to ninth blocks, alike, timed 0.94 x and 1.17 x the model's mean forward in two regions
-    (4 x H100, 2026-11-27). None for a region let go or one that fails now."""
+    (4 x H100, 2026-11-27). All None where a region was let go or fails now: the regions are normalised against
+    each other, so all keep their first timing rather than some the faster of two."""
     out: list[ProgramRuns | None] = []
     for programs in held:
+        if programs is None:
+            return [None] * len(held)
         try:
-            out.append(None if programs is None else programs.timed(repeats))
+            out.append(programs.timed(repeats))
         except RuntimeError as err:
-            log.warning("a region's second timing failed (its first stands): %s: %s", type(err).__name__, err)
-            out.append(None)
+            log.warning("a region's second timing failed (the first timings stand): %s: %s", type(err).__name__,
+                        err)
+            return [None] * len(held)
     return out
 
 

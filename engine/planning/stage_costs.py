@@ -142,9 +142,7 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentia
     param_grads = {s for s in ad.grad_slots[:n_params] if s is not None}
     cts = {s for s in ad.ct_slots if s is not None}
     after_b = set(w.in_slots) & (from_f | acts_in | cts) | b_to_w  # what waits for W once B is done
-    fx, bx, wx = model.stage_scale(graph, stage.start, stage.stop)  # (1, 1, 1) unless programs were measured
-    if not acts_in:  # no B: W's graph is the whole backward, at the whole backward's ratio
-        wx = model.stage_fused_scale(graph, stage.start, stage.stop)
+    fx, bx, wx = _scales(graph, stage, model)
     forward = model.graph_time(f.graph)
     b_time = model.graph_time(b.graph, backward=True)  # calibrated ops at the backward program scale
     if recompute is True:  # B redoes the forward: that part at the forward's scale
@@ -162,6 +160,15 @@ def _exact_stage(graph: ir.Graph, stage: ir.Stage, model: CostModel, differentia
         fused_workspace_bytes=max(transient_bytes(f.graph), _backward_transient(ad.backward, param_grads)),
         after_b_bytes=_slot_bytes(ad, after_b),
         exact=True, recompute=recompute is True, remat=recompute == "cheap")
+
+
+def _scales(graph: ir.Graph, stage: ir.Stage, model: CostModel) -> tuple[float, float, float]:
+    """The measured F, B, W ratios of `stage`'s equations ((1, 1, 1) unless programs were measured); a stage
+    with no input activations has no B and its W graph is its whole backward, at the whole backward's ratio."""
+    fx, bx, wx = model.stage_scale(graph, stage.start, stage.stop)
+    if not stage.acts_in:
+        wx = model.stage_fused_scale(graph, stage.start, stage.stop)
+    return fx, bx, wx
 
 
 def exact(graph: ir.Graph, cuts: Sequence[int], model: CostModel, *, device: str | None = None,
@@ -197,7 +204,7 @@ def exact_blocks(graph: ir.Graph, blocks: Blocks, model: CostModel, *, device: s
         key = _core(stage)
         if key not in costs:
             costs[key] = _exact_stage(graph, stage, plain, differentiate)
-        fx, bx, wx = model.stage_scale(graph, stage.start, stage.stop)
+        fx, bx, wx = _scales(graph, stage, model)
         c = costs[key]
         per_block.append(attrs.evolve(c, forward=c.forward * fx, backward_input=c.backward_input * bx,
                                       backward_weight=c.backward_weight * wx))
@@ -228,6 +235,15 @@ def splits_bw(table: schedules.Table) -> bool:
     """Whether the schedule runs B and W as separate actions (so W's inputs wait in memory); otherwise
     every backward is one fused BW program."""
     return any(a.kind == "W" for row in table.rows for a in row)
+
+
+def mostly_split(table: schedules.Table) -> bool:
+    """Whether most of the schedule's backwards run as B and W apart: how its stages' backward is costed
+    (`CostModel.split_backward`). dualpipev mixes them (at p = 4 and 16 microbatches, 22 B-W pairs beside 106
+    fused BW), and a stage's cost has one backward: the split's overhead over the fused (4-7 % on a Llama
+    block, 4 x H100) goes to the kind most of them are."""
+    kinds = [a.kind for row in table.rows for a in row]
+    return kinds.count(schedules.W) >= max(1, kinds.count(schedules.BW))
 
 
 def schedule_costs(stages: Sequence[StageCost], table: schedules.Table, model: CostModel,

@@ -1,8 +1,10 @@
 """Region scales: the calibration times the model's programs span by span, and the planner splits by them."""
 from __future__ import annotations
 
+import gc
 import itertools
 import time
+import weakref
 from typing import Any
 
 import attrs
@@ -138,6 +140,28 @@ def test_a_stage_with_no_b_costs_its_backward_at_the_whole_backwards_ratio() -> 
     fused = exact(g, [cut], attrs.evolve(model, split_backward=False))  # a schedule of one BW program a stage
     assert fused[1].backward_input == pytest.approx(bases[1].backward_input, rel=1e-12)
     assert fused[1].backward_weight == pytest.approx(bases[1].backward_weight, rel=1e-12)
+    from engine.planning.blocks import coarsen
+    from engine.planning.stage_costs import exact_blocks
+
+    blocks = coarsen(g, model, fine=False, min_blocks=2)  # the splitter's blocks: the first one has no B either
+    first = exact(g, [blocks.bounds[1]], model)[0]
+    assert exact_blocks(g, blocks, model, split_bw=True).backward_weight[0] == pytest.approx(
+        first.backward_weight, rel=1e-12)
+
+
+def test_a_schedule_is_costed_by_the_backwards_most_of_its_actions_are() -> None:
+    import schedules
+    from engine.planning.artifacts import build_table
+    from engine.planning.stage_costs import mostly_split, splits_bw
+
+    def table(name: str, stages: int, m: int, **opts: Any) -> Any:
+        return build_table(schedules.get(name), name, stages, m, opts)
+
+    assert mostly_split(table("zbv", 8, 8)) and mostly_split(table("zb-h1", 2, 4))
+    assert not mostly_split(table("1f1b", 2, 4)) and not mostly_split(table("interleaved-1f1b", 4, 4,
+                                                                            stages_per_rank=2))
+    mixed = table("dualpipev", 8, 16)  # 22 B-W pairs beside 106 fused BW
+    assert splits_bw(mixed) and not mostly_split(mixed)
 
 
 @pytest.mark.parametrize("schedule,split", [("1f1b", False), ("zb-h1", True)])
@@ -267,28 +291,41 @@ def test_a_region_slow_only_at_its_first_timing_is_measured_by_its_second() -> N
 
 def test_regions_let_go_of_the_ones_before_where_holding_them_runs_out_of_memory(  # type: ignore[no-untyped-def]
         monkeypatch) -> None:
-    """The regions are held for their second timing; the third region's programs fail once (out of memory,
-    scripted): the ones before are let go (each keeps its first timing), the third is timed again, and the
-    scale stands."""
+    """The regions are held for their second timing; the third region's timing fails once (out of memory,
+    scripted): the ones before are let go, freed before the third is tried again (nothing of them, nor of the
+    failed attempt, is alive then), no region is timed a second time, and the scale stands."""
     from engine.planning import regions
 
     params, inputs, g = _model()
     cal = calibrate_training(g, "cpu", repeats=2)
-    real, made = regions.Programs, {"n": 0, "failed": 0}
+    made: list[weakref.ref] = []
+    alive_at_retry: list[int] = []
+    timings: list[int] = []
+
+    class Failing(regions.Programs):  # type: ignore[misc,name-defined]
+        def timed(self, repeats: int) -> Any:
+            timings.append(len(made))
+            if len(made) == 3 and not alive_at_retry:
+                alive_at_retry.append(-1)
+                raise RuntimeError("CUDA out of memory (scripted)")
+            return super().timed(repeats)
 
     def programs(*args: Any, **kw: Any) -> Any:
-        made["n"] += 1
-        if made["n"] == 3 and not made["failed"]:
-            made["failed"] = 1
-            raise RuntimeError("CUDA out of memory (scripted)")
-        return real(*args, **kw)
+        if len(made) == 3 and alive_at_retry == [-1]:  # the third's retry: what is still alive now
+            gc.collect()
+            alive_at_retry[:] = [i for i, r in enumerate(made) if r() is not None]
+        p = Failing(*args, **kw)
+        made.append(weakref.ref(p))
+        return p
 
     monkeypatch.setattr(regions, "Programs", programs)
     told: list[str] = []
     monkeypatch.setattr(regions.log, "warning", lambda msg, *a: told.append(msg % a))
     found, _ = region_scale(g, torch.device("cpu"), cal, inputs)
     assert found is not None and len(found.spans) == 4
-    assert any("regions timed once" in t for t in told) and made["n"] == 5  # the third's made twice
+    assert any("regions timed once" in t for t in told) and len(made) == 5  # the third's made twice
+    assert alive_at_retry == [], f"still alive when the held regions were let go: {alive_at_retry}"
+    assert timings == [1, 2, 3, 4, 5]  # each once (the third's first attempt failed): no second timings
 
 
 def test_ops_only_a_regions_programs_have_are_timed_and_kept() -> None:
