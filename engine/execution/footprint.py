@@ -77,16 +77,20 @@ class _Replay:
         part, acc = getattr(info.ad, ins.kind), ins.accumulated()
         for k in acc:  # accumulators are made (zeros) before the program runs
             self.hold(ins.writes[k], self.param_bytes[int(ins.writes[k][1:])])
+        self.top = self.now + self._made(ins, part, acc)
+        for ref, slot in zip(ins.writes, part.out_slots):
+            if ref[0] == "b" and ref not in ins.reads:
+                self.hold(ref, info.ad.slot_avals[slot].nbytes)
+
+    def _made(self, ins: Instr, part: ir.Part, acc: tuple[int, ...]) -> int:
+        """The bytes a compute's program makes while it runs: as measured on the device, else fx's frees."""
         key = (ins.stage, ins.kind, acc)
         made = self.measured(key)
         if made is None:
             if key not in self.runs:
                 self.runs[key] = ir.run_bytes(part.graph, acc)
             made = self.runs[key].peak
-        self.top = self.now + made
-        for ref, slot in zip(ins.writes, part.out_slots):
-            if ref[0] == "b" and ref not in ins.reads:
-                self.hold(ref, info.ad.slot_avals[slot].nbytes)
+        return made
 
     def comm(self, ins: Instr) -> None:
         sent = 0
@@ -134,9 +138,9 @@ class _Replay:
 class _Graphed(_Replay):
     """The replay of a step whose computes replay CUDA graphs. `pool_now` / `pool_peak`: the bytes of the
     computes' live values in the graphs' pool and its high-water mark (a compute's temporaries included); a value
-    a send reads as it is (not packed) stays to the end of the capture step (no send is retired before it). `now` is the allocator's:
-    received buffers and packs as in `_Replay`; `kept`: what it holds for good (clones of the parameters and batch
-    leaves the computes read, the received values they read, the accumulators)."""
+    a send reads as it is (not packed) stays to the end of the capture step (no send is retired before it).
+    `now` is the allocator's: received buffers and packs as in `_Replay`; `kept`: what it holds for good (clones
+    of the parameters and batch leaves the computes read, the received values they read, the accumulators)."""
 
     def __init__(self, infos: Sequence[StageInfo], param_bytes: dict[int, int], batch_bytes: dict[int, int],
                  measured: Callable[[Key], int | None] = lambda key: None) -> None:
@@ -163,15 +167,6 @@ class _Graphed(_Replay):
                 self.pooled[ref] = info.ad.slot_avals[slot].nbytes
                 self.pool_now += self.pooled[ref]
         self.pool_peak = max(self.pool_peak, self.pool_now)
-
-    def _made(self, ins: Instr, part: object, acc: tuple[int, ...]) -> int:
-        key = (ins.stage, ins.kind, acc)
-        made = self.measured(key)
-        if made is None:
-            if key not in self.runs:
-                self.runs[key] = ir.run_bytes(part.graph, acc)  # type: ignore[attr-defined]
-            made = self.runs[key].peak
-        return made
 
     def _read(self, ref: str, mb: int) -> None:
         """What reading `ref` makes the graphs hold: a clone of a parameter (once) or of a microbatch's batch

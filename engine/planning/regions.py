@@ -119,8 +119,8 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
         del programs  # held in `measured` alone: letting go there frees it
     runs = []  # per region: (start, stop, forward sum, backward sum, forward seconds, backward seconds,
     # B's and W's factors on the backward's ratio)
-    for (stage, ad, sums, ran, programs), again in zip(measured, _again([m[4] for m in measured], repeats)):
-        ran = _faster(ran, again)
+    for (stage, ad, sums, first, _), again in zip(measured, _again([m[4] for m in measured], repeats)):
+        ran = _faster(first, again)
         runs.append((stage.start, stage.stop, sums.forward, sums.backward, ran.forward, ran.backward,
                      *_split_shares(ran, sums.backward, *split_sums(ad, cal, sums.param_grads, stage.graph))))
     found = MeasuredScale(len(g.eqns), _normalised(runs), batch_key(g))
@@ -202,12 +202,11 @@ def _split_shares(ran: ProgramRuns, fused_sum: float, b_sum: float, w_sum: float
     fused one's, and W's. The whole model's calibrated ratio cannot tell B from W, and a compiler speeds them
     unevenly (a Llama's inductor-compiled block stages ran W 1.45-1.94 x and B 0.72-0.85 x what one ratio gave
     them, GPT's W 0.90-0.98 and B 0.96-1.06: 4 x H100, session 21's start-up measured scales); and apart they
-    cost more than fused (a Llama's B + W 1.05-1.06 x its fused backward, 4 x H100, 2026-11-27), which a
+    cost more than fused (a Llama's B + W 1.04-1.07 x its fused backward, 4 x H100, 2026-11-27), which a
     schedule that splits them pays while one that fuses them does not (it takes `Span.backward`). (1, 1) where
     a part is empty (the first region's B: no input grads) or was not measured."""
     b_run, w_run, fused_run = ran.backward_input, ran.backward_weight, ran.backward
-    if b_run is None or w_run is None or b_run <= 0 or w_run <= 0 or fused_run <= 0 or min(b_sum, w_sum,
-                                                                                         fused_sum) <= 0:
+    if b_run is None or w_run is None or min(b_run, w_run, fused_run, b_sum, w_sum, fused_sum) <= 0:
         return 1.0, 1.0
     return b_run / fused_run * fused_sum / b_sum, w_run / fused_run * fused_sum / w_sum
 

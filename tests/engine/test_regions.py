@@ -111,7 +111,8 @@ def test_a_regions_b_and_w_take_the_seconds_their_own_programs_ran() -> None:
     # fused sums, is 1.5, so the first region's B and W are 2 / 1.5 x its factors and the second's 1 / 1.5
     two = _normalised([(0, 4, 1e-3, 3e-3, 1e-3, 6e-3, kb, kw), (4, 8, 1e-3, 3e-3, 1e-3, 3e-3)])
     assert [(s.backward_input, s.backward_weight) for s in two] == [
-        (pytest.approx(2 / 1.5 * 0.75), pytest.approx(2 / 1.5 * 1.275)), (pytest.approx(1 / 1.5), pytest.approx(1 / 1.5))]
+        (pytest.approx(2 / 1.5 * 0.75), pytest.approx(2 / 1.5 * 1.275)),
+        (pytest.approx(1 / 1.5), pytest.approx(1 / 1.5))]
     assert [s.backward for s in two] == [pytest.approx(2 / 1.5), pytest.approx(1 / 1.5)]  # the whole backward's
 
 
