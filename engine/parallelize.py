@@ -127,8 +127,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     one (world = sum x dp); "auto" (the default when stages or dp is "auto") lets the planner choose unequal
     counts where it predicts a faster step (engine.planning.replicas). `rebalance`: once the stage programs are
     measured (on CUDA, before the first step), re-split the same layout with each stage's measured / planned
-    seconds in the cost model and rebuild the step on the new cuts where that is predicted 3 % faster
-    (engine.execution.rebalance; `step.rebalanced` says what moved); "auto" (the default) where programs are
+    seconds in the cost model (refitted per kind of block, engine.planning.tied) and rebuild the step on the new
+    cuts where that is predicted 1 % faster than the running cuts costed alike (engine.execution.rebalance; `step.rebalanced` says what moved); "auto" (the default) where programs are
     measured, True also on CPU (it measures them there), False never; "step" takes each stage's seconds from
     traced steps on the example batch instead (what its programs take beside the others' work and the
     transfers) and keeps the new split only if its own traced steps run faster. `timeout` (positive seconds) bounds every
@@ -167,9 +167,9 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     if rebalance is False or step.profile is None or cuts is not None:
         return step
 
-    def replan(*, measured: Any) -> Planned:
+    def replan(*, measured: Any, cuts: Any = None) -> Planned:
         plan = step.plan
-        same = dict(options, stages=plan.num_stages, dp=plan.dp, microbatches=plan.microbatches, cuts=None,
+        same = dict(options, stages=plan.num_stages, dp=plan.dp, microbatches=plan.microbatches, cuts=cuts,
                     stages_per_rank=plan.num_stages // plan.pipeline_depth, measured=measured)
         same.pop("replicas", None)
         return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
@@ -196,7 +196,7 @@ def _rebalanced_in_steps(step: Step, replan: Callable[..., Planned], started: Ca
     """`parallelize(rebalance="step")`: `step`, or a Step rebuilt on the same layout re-split from what its
     programs take inside traced steps (`rebalance.in_steps`); the new split is kept only where its own traced
     steps run faster than the running step's (the faster of two traced steps each, no margin: the re-split was
-    already predicted 3 % faster), else the planner's cuts are started again (their compiles cached). Every rank
+    already predicted REBALANCE_GAIN faster), else the planner's cuts are started again (their compiles cached). Every rank
     decides from the same gathered spans; a rank whose re-split search fails tells the others (`_agreed`), but
     one that fails inside a step (out of memory, say) leaves them to the step's timeout."""
     try:

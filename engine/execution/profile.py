@@ -248,7 +248,7 @@ def measured_scale(plan: Plan, programs: Sequence[Program], profile: Profile) ->
             if not (b[s] > 0 and st.backward_input_time > 0):  # the first stage: W holds its whole backward
                 rb = rw
         spans.append(Span(st.start, st.stop, _over(f[s], st.forward_time), rb, rw, fused))
-    return MeasuredScale(plan.num_eqns, spans)
+    return MeasuredScale(plan.num_eqns, spans, per_stage=True)
 
 
 def _over(measured: float, planned: float) -> float:

@@ -54,11 +54,13 @@ class MeasuredScale:
     """Per-span ratios of measured to planned seconds, for the microbatch graph of `num_eqns` equations that
     was measured (another microbatch size makes another graph: the scale then does not apply); `batch` is that
     graph's `batch_key` where it was recorded ("" for a scale made for one plan's graph: its equation count is
-    checked alone)."""
+    checked alone). `per_stage`: the spans are a plan's stages as measured, which the planner refits per kind of
+    block before it costs with them (`engine.planning.tied`)."""
 
     num_eqns: int
     spans: tuple[Span, ...] = attrs.field(converter=tuple)
     batch: str = ""
+    per_stage: bool = False
 
     def matches(self, g: ir.Graph) -> bool:
         """Whether this scale was measured on graph `g` (or one like it)."""

@@ -48,6 +48,7 @@ from .recipe import Recipe, recipe_of
 from .refine import describe, fixed_cuts, refine_auto
 from .rows import splits, unsplit
 from .stage_costs import recompute_mode
+from .tied import tied_model
 
 log = logging.getLogger("engine.plan")
 split_log = logging.getLogger("engine.split")
@@ -196,6 +197,8 @@ class Session:
                                  auto=not isinstance(microbatches, int))
         cut = any(splits(lay) for lay in candidates)
         candidates = unsplit(workshop, candidates, batch_size, microbatches=microbatches, dp=dp)  # rows compared
+        sizes = dict.fromkeys(lay.microbatch_size(batch_size) for lay in candidates)  # lazily: traced where tied
+        model = tied_model(model, (workshop.graph(size) for size in sizes))
         memory = with_recipe(memory_model, recipe_of(recipe), params)
         planner = Candidates(workshop, schedule=schedule, build=build, model=model, memory=memory,
                              limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
