@@ -128,7 +128,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     counts where it predicts a faster step (engine.planning.replicas). `rebalance`: once the stage programs are
     measured (on CUDA, before the first step), re-split the same layout with each stage's measured / planned
     seconds in the cost model (refitted per kind of block, engine.planning.tied) and rebuild the step on the new
-    cuts where that is predicted 1 % faster than the running cuts costed alike (engine.execution.rebalance; `step.rebalanced` says what moved); "auto" (the default) where programs are
+    cuts where that is predicted 1 % faster than the running cuts costed alike (engine.execution.rebalance;
+    `step.rebalanced` says what moved); "auto" (the default) where programs are
     measured, True also on CPU (it measures them there), False never; "step" takes each stage's seconds from
     traced steps on the example batch instead (what its programs take beside the others' work and the
     transfers) and keeps the new split only if its own traced steps run faster. `timeout` (positive seconds) bounds every
@@ -196,9 +197,9 @@ def _rebalanced_in_steps(step: Step, replan: Callable[..., Planned], started: Ca
     """`parallelize(rebalance="step")`: `step`, or a Step rebuilt on the same layout re-split from what its
     programs take inside traced steps (`rebalance.in_steps`); the new split is kept only where its own traced
     steps run faster than the running step's (the faster of two traced steps each, no margin: the re-split was
-    already predicted REBALANCE_GAIN faster), else the planner's cuts are started again (their compiles cached). Every rank
-    decides from the same gathered spans; a rank whose re-split search fails tells the others (`_agreed`), but
-    one that fails inside a step (out of memory, say) leaves them to the step's timeout."""
+    already predicted REBALANCE_GAIN faster), else the planner's cuts are started again (their compiles cached).
+    Every rank decides from the same gathered spans; a rank whose re-split search fails tells the others
+    (`_agreed`), but one that fails inside a step (out of memory, say) leaves them to the step's timeout."""
     try:
         profile, before = in_steps(step)
         found = _agreed(step, lambda: rebalancing.rebalance(step.planned, step.programs.all(), profile, replan))

@@ -5,9 +5,10 @@ device. Where a compiler changed stages unevenly, the measured step has a slowes
 see. `rebalance` feeds the measured / planned ratio of every stage back into the cost model
 (`engine.planning.measured`, refitted per kind of block by `engine.planning.tied`), re-splits the same layout
 (schedule, stages, dp, microbatches) under it, and keeps the new split only where it is predicted REBALANCE_GAIN
-faster than the running split costed the same way (both cuts under the scale, each with the schedule's own
-order: the searched order of a free split is not compared with a fixed one's); the Step is then rebuilt on it (`parallelize(rebalance=...)`, which asks twice: a proposal
-from the first measurement is made again from the faster of two measurements of each program). Every rank
+faster than the running split costed the same way (both cuts costed by the planner's fixed-cuts path under the
+scale: the free search's searched order is not compared with the fixed order of the other cuts, which on a small
+zbv MLP alone differ by 3 %); the Step is then rebuilt on it (`parallelize(rebalance=...)`, which asks twice: a
+proposal from the first measurement is made again from the faster of two measurements of each program). Every rank
 holds the same gathered profile, so every rank makes the same plan (parallelize checks that before it closes
 the step).
 
@@ -76,8 +77,8 @@ REPLAN_ERRORS = (PlanError, SplitError, schedules.ScheduleError)  # a re-split t
 def rebalance(planned: Planned, programs: Sequence[Program], profile: Profile, replan: Replan, *,
               gain: float = REBALANCE_GAIN) -> Rebalanced | None:
     """The same layout re-split under the measured scale, or None: nothing to re-split (one stage, unequal
-    replicas, a program not measured), the same cuts, no split that fits, or a split less than `gain` faster
-    than the running step's prediction from its measured programs (what runs, in the order that runs)."""
+    replicas, a program not measured), the same cuts, no split that fits, or new cuts less than `gain` faster
+    than the running cuts, both costed under the scale by the fixed-cuts path (`Rebalanced.costed`)."""
     plan = planned.plan
     if plan.num_stages == 1 or any(c != 1 for c in plan.replicas):
         return None
@@ -88,19 +89,29 @@ def rebalance(planned: Planned, programs: Sequence[Program], profile: Profile, r
         return None
     try:
         found = replan(measured=scale)
-        alike = None if found.plan.cuts == plan.cuts else (
-            replan(measured=scale, cuts=plan.cuts).plan.predicted_step_time,
-            replan(measured=scale, cuts=found.plan.cuts).plan.predicted_step_time)
     except REPLAN_ERRORS as err:
         log.warning("rebalance: no re-split under the measured stage times (%s: %s); the planner's cuts stay",
                     type(err).__name__, err)
         return None
-    if alike is None or not alike[1] < alike[0] * (1 - gain):
-        log.info("rebalance: the best split under the measured stage times (%s), cuts %s, is predicted %.2f ms "
-                 "(%s against the running cuts %s costed alike; %.2f ms from the running step's programs): kept "
-                 "only if new and %.0f %% faster", scale, list(found.plan.cuts), found.plan.predicted_step_time * 1e3,
-                 "the same cuts" if alike is None else f"{alike[1] * 1e3:.2f} ms against {alike[0] * 1e3:.2f} ms",
-                 list(plan.cuts), now * 1e3, gain * 100)
+    if found.plan.cuts == plan.cuts:
+        log.info("rebalance: the best split under the measured stage times (%s) keeps the running cuts %s "
+                 "(predicted %.2f ms; %.2f ms from the running step's programs)", scale, list(plan.cuts),
+                 found.plan.predicted_step_time * 1e3, now * 1e3)
+        return None
+    try:
+        alike = (replan(measured=scale, cuts=plan.cuts).plan.predicted_step_time,
+                 replan(measured=scale, cuts=found.plan.cuts).plan.predicted_step_time)
+    except REPLAN_ERRORS as err:
+        log.warning("rebalance: the running cuts %s or the new ones %s could not be costed alike under the measured "
+                    "stage times (%s: %s); the planner's cuts stay", list(plan.cuts), list(found.plan.cuts),
+                    type(err).__name__, err)
+        return None
+    if not alike[1] < alike[0] * (1 - gain):
+        log.info("rebalance: the best split under the measured stage times (%s), cuts %s, costs %.2f ms against "
+                 "%.2f ms for the running cuts %s, costed alike (the search's own prediction %.2f ms; %.2f ms from "
+                 "the running step's programs): kept only if %g %% faster", scale, list(found.plan.cuts),
+                 alike[1] * 1e3, alike[0] * 1e3, list(plan.cuts), found.plan.predicted_step_time * 1e3, now * 1e3,
+                 gain * 100)
         return None
     return Rebalanced(found, plan.cuts, now, found.plan.predicted_step_time, scale, costed=alike)
 
