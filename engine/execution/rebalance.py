@@ -66,8 +66,8 @@ class Rebalanced:
             then += f"; costed alike {self.costed[0] * 1e3:.2f} -> {self.costed[1] * 1e3:.2f} ms"
         source = "the stage programs inside steps" if self.stepped is not None else "the measured stage programs"
         return (f"rebalanced from {source}: cuts {list(self.cuts_before)} -> "
-                f"{list(self.planned.plan.cuts)}, predicted step {self.before * 1e3:.2f} -> {self.after * 1e3:.2f} ms"
-                f"{then} ({self.scale})")
+                f"{list(self.planned.plan.cuts)}, the running step's programs {self.before * 1e3:.2f} ms, the new "
+                f"split's own prediction {self.after * 1e3:.2f} ms{then} ({self.scale})")
 
 
 Replan = Callable[..., Planned]  # replan(measured=..., cuts=None): the same layout searched (or these cuts) again

@@ -117,6 +117,7 @@ def test_a_re_split_is_made_on_the_cuts_costed_alike_not_on_the_searchs_own_pred
         return replan
 
     assert rebalance(planned, programs, slow, replan_with(1.0)) is None
+    assert rebalance(planned, programs, slow, replan_with(0.995)) is None  # under REBALANCE_GAIN
     made = rebalance(planned, programs, slow, replan_with(0.97))
     assert made is not None and made.costed == (1.0, 0.97) and "costed alike 1000.00 -> 970.00 ms" in str(made)
 

@@ -31,10 +31,12 @@ def _plan(llama, cuts, measured=None):  # type: ignore[no-untyped-def]
 
 def _truth(g, kinds: list[int]) -> MeasuredScale:  # type: ignore[no-untyped-def]
     """What the device does: attention pieces run at half their op costs, MLP pieces at 1.6 x (session 22's
-    Llama: the op costs split a block 55 / 45 where the programs ran 39 / 61), the rest as costed."""
+    Llama: the op costs split a block 55 / 45 where the programs ran 39 / 61), the rest as costed; B and W apart
+    (F, B, W, whole backward per kind)."""
     size = {k: sum(1 for _ in grp) for k, grp in itertools.groupby(kinds)}
-    ratio = {k: 0.5 if n == ATTENTION else 1.6 if n == MLP else 1.0 for k, n in size.items()}
-    spans = [Span(i, i + 1, ratio[k], ratio[k], ratio[k], ratio[k]) for i, k in enumerate(kinds)]
+    ratios = {ATTENTION: (0.5, 0.6, 0.8, 0.7), MLP: (1.6, 1.8, 1.3, 1.5)}
+    ratio = {k: ratios.get(n, (1.0, 1.0, 1.0, 1.0)) for k, n in size.items()}
+    spans = [Span(i, i + 1, *ratio[k]) for i, k in enumerate(kinds)]
     return MeasuredScale(len(g.eqns), spans)
 
 
@@ -72,10 +74,12 @@ def test_a_re_split_is_costed_as_the_device_ran_the_kinds_of_its_blocks(llama) -
     measured = _measured(_plan(llama, first).plan, _plan(llama, first, truth).plan)
     untied = attrs.evolve(measured, per_stage=False)
     want, got, carried = (_plan(llama, second, m).plan for m in (truth, measured, untied))
-    for w, x in zip(want.stages, got.stages):
+    for k, (w, x) in enumerate(zip(want.stages, got.stages)):
         assert x.forward_time == pytest.approx(w.forward_time, rel=0.01)
-        assert x.backward_input_time + x.backward_weight_time == pytest.approx(
-            w.backward_input_time + w.backward_weight_time, rel=0.01)
+        assert x.backward_input_time == pytest.approx(w.backward_input_time, rel=0.01)
+        # the first stage's W is its whole backward, at the whole backward's ratio: `_truth` gives that one number
+        # a kind, where a measured stage's is the mix of its B's and W's, so the two agree only roughly there
+        assert x.backward_weight_time == pytest.approx(w.backward_weight_time, rel=0.03 if k == 0 else 0.01)
     misses = [abs(c.forward_time / w.forward_time - 1) for w, c in zip(want.stages, carried.stages)]
     assert max(misses) > 0.2
 
