@@ -96,9 +96,9 @@ def tie(scale: MeasuredScale, kinds: Sequence[int], weights: Sequence[Sequence[f
     by more than RESIDUAL keeps its own ratio on its equations (alike blocks that ran unalike: a slow device under
     it), the stage's to give away; a slow stage whose mix is its own cannot be told from its kinds' costs (a kind
     only it holds takes the slowdown), and the re-split that moves is measured before it is kept
-    (`execution.rebalance`). The first
-    stage's B and W are left out of their fits: it has no B, and its W program is its whole backward, costed at
-    the whole backward's ratio (`stage_costs._scales`)."""
+    (`execution.rebalance`). The first stage's B and W are left out of their fits (it has no B, and its W program
+    is its whole backward, costed at the whole backward's ratio: `stage_costs._scales`); pieces it gives away
+    take the fitted B and W ratios of their kinds."""
     n = scale.num_eqns
     if len(kinds) != n or not _shared(scale.spans, kinds):
         return scale
