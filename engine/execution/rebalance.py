@@ -40,8 +40,8 @@ log = logging.getLogger("engine.runtime")
 REBALANCE_GAIN = 0.01  # a new split must be predicted this much faster than the running one, costed alike
 # (1 %, not the 3 % of sessions 11-22: those compared a model's prediction with a simulation of the measured
 # programs, whose gap alone could reach 3 %; a re-split whose measured programs predict no faster step is
-# undone, so a wrong call costs one compile, and on the Llama at p = 4 the split the tied model finds runs its
-# busiest rank 5 % lighter while the model sees 1.9 %: the offline replay in benchmarks/NOTES.md)
+# undone, so a wrong call costs one compile; on session 23's first Llama launch at p = 4 the split the tied
+# model finds was costed 1.9 % faster alike and 3.2 % by the free search's order: benchmarks/NOTES.md)
 
 
 @attrs.frozen
