@@ -182,8 +182,9 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
                    f"{_pair(rest_pred)})")
     for r in (r for r in rows if r["framework"] == "fnpipe" and r.get("variant", "").endswith(":inductor")):
         if r.get("to_first_step_s") is not None:
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in r.get("setup_s", {}).items() if v >= 0.05)
             out.append(f"fnpipe {r['schedule']} {r['variant']}: parallelize to first step {r['to_first_step_s']:.1f} s "
-                       "(goal <= 30 s on a warm compile cache)")
+                       f"(goal <= 30 s on a warm compile cache){f'; rank 0 s: {phases}' if phases else ''}")
     return out
 
 

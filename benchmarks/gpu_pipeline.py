@@ -306,6 +306,7 @@ def run_fnpipe(b: Bench, schedule: str, *, compiler: str, alone: bool = False) -
     b.add("fnpipe", f"{compiler}:{step.executor.compiler}", "1-stage" if alone else schedule, res,
           1 if alone else b.world.size, build_s=build_s, first_step_s=first_s, to_first_step_s=build_s + first_s,
           compile_s={str(k): v for k, v in step.compile_seconds.items()},
+          setup_s={k: round(v, 2) for k, v in step.setup.seconds().items()},
           rebalanced=None if step.rebalanced is None else str(step.rebalanced), **predicted(step),
           **graph_memory(b, step, alone, lambda: step(local, x, y), residue, res.peak_bytes))
     step.close()

@@ -7,6 +7,7 @@
 #                                             # both families' full set about 2 x 10 min: one family per call gets
 #                                             # every row; both in one call get the rows the budget allows, in
 #                                             # priority order (baselines, fnpipe's default on 1f1b / zb-h1, ...)
+#   bash benchmarks/h200_session.sh warm [llama] # 2 GPUs: the default 1f1b cold, then warm twice: setup phases
 #   bash benchmarks/h200_session.sh one       # 1 GPU: eager autograd, torch.func.grad, fnpipe one stage fx / auto
 #   bash benchmarks/h200_session.sh profile   # 1 GPU: one stage kernel by kernel against torch.func.grad
 #   bash benchmarks/h200_session.sh examples  # 2 GPUs: examples/train_gpt.py under torchrun and mpirun
@@ -43,7 +44,7 @@
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourpower|foursettle|fourcal|fourplan|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
+part=${1:?usage: h200_session.sh two|warm|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourpower|foursettle|fourcal|fourplan|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -78,6 +79,17 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
       mkdir -p "$out/warm"
       bench 130 2 29515 --budget 115 --min-row 20 --families "$families" --calibrate "$cal" --schedules 1f1b --compilers auto \
         --torch-eager "" --torch-compiled "" --torch-risky "" --one-gpu-layers 0 --warmup 1 --steps 3 --out-dir "$out/warm"
+      ;;
+    warm)  # 2 GPUs: fnpipe's default 1f1b launched on a cold compile cache, then twice warm (the cache and the
+           # calibration of the launches before): each rank's setup phases (engine.setup_clock) in the log
+      export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
+      for run in cold warm warm2; do
+        mkdir -p "$out/$run"
+        bench 200 2 29515 --budget 185 --min-row 20 --families "$families" --calibrate "$cal" --schedules 1f1b \
+          --compilers auto --torch-eager "" --torch-compiled "" --torch-risky "" --one-gpu-layers 0 --warmup 1 \
+          --steps 3 --out-dir "$out/$run"
+      done
+      grep -h "setup \|compiled in\|parallelize to first step" "$log" | cut -c1-400
       ;;
     one)
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -31,6 +32,7 @@ from .planning.candidates import batch_size_of
 from .planning.recipe import Recipe, recipe_of
 from .planning.replicas import requested as requested_replicas
 from .planning.search import schedule_builder, search
+from .setup_clock import SetupClock
 from .training.precision import mixed_precision
 
 log = logging.getLogger("engine.runtime")
@@ -147,7 +149,9 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     replicas = requested_replicas(replicas)  # before any communication: every rank refuses a bad count alike
     build = schedule_builder(schedule)
     recipe = training_recipe(recipe, shard_optimizer)
-    world = launch.init(timeout)
+    clock = SetupClock()
+    with clock.phase("launch"):
+        world = launch.init(timeout)
     workshop = Workshop(loss_fn, params, example_batch, device=world.device.type, has_aux=has_aux)
     compiler = resolve(compiler, world.device)  # "auto": inductor on CUDA, fx elsewhere
     options = dict(stages=stages, dp=dp, microbatches=microbatches, memory_limit=memory_limit,
@@ -155,26 +159,30 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
                    has_aux=has_aux, fused_recompute=compiler == "inductor", min_microbatch_size=min_microbatch_size,
                    **({"recipe": recipe} if recipe else {}), **({} if replicas is None else {"replicas": replicas}))
     planned = _planned(world, workshop, loss_fn, params, example_batch, schedule=schedule, build=build,
-                       plan_cache=plan_cache, calibrate=calibrate, compiler=compiler, options=options, timeout=timeout)
+                       plan_cache=plan_cache, calibrate=calibrate, compiler=compiler, options=options, timeout=timeout,
+                       clock=clock)
     use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
 
     def started(found: Planned, entry: plancache.CachedPlan | None) -> Step:
-        step = Step(found, world, connect(world, found, timeout), hook=hook, compiler=compiler,
-                    check_inputs=check_inputs)
+        with clock.phase("connect"):
+            transport = connect(world, found, timeout)
+        with clock.phase("programs"):
+            step = Step(found, world, transport, hook=hook, compiler=compiler, check_inputs=check_inputs, setup=clock)
         step.forward = getattr(loss_fn, "forward", None)  # engine.functionalize's eval-mode forward (step.evaluate)
         return _checked(step, entry, example_batch, measure=rebalance in (True, "step"))
 
     step = started(planned.planned, planned.entry)
     if rebalance is False or step.profile is None or cuts is not None:
-        return step
+        return _timed(step)
 
     def replan(*, measured: Any, cuts: Any = None) -> Planned:
         plan = step.plan
         same = dict(options, stages=plan.num_stages, dp=plan.dp, microbatches=plan.microbatches, cuts=cuts,
                     stages_per_rank=plan.num_stages // plan.pipeline_depth, measured=measured)
         same.pop("replicas", None)
-        return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
-                      workshop=workshop, build=schedule_builder(plan.schedule), **same)
+        with clock.phase("re-split search"):
+            return search(loss_fn, params, *example_batch, world_size=world.size, schedule=plan.schedule,
+                          workshop=workshop, build=schedule_builder(plan.schedule), **same)
 
     def measure_again(s: Step) -> None:
         """`s`'s programs measured once more, each keeping the faster of its two times (a collective)."""
@@ -186,10 +194,16 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
         if not rebalancing.runnable(example_batch):
             log.warning("rank %d: rebalance=\"step\" runs steps on the example batch, which holds meta or fake "
                         "tensors; re-splitting from the measured programs instead", step.world.rank)
-            return _rebalanced(step, replan, started, measure_again)
-        return _rebalanced_in_steps(step, replan, started,
-                                    lambda s: rebalancing.in_steps(s, params, example_batch))
-    return _rebalanced(step, replan, started, measure_again)
+            return _timed(_rebalanced(step, replan, started, measure_again))
+        return _timed(_rebalanced_in_steps(step, replan, started,
+                                           lambda s: rebalancing.in_steps(s, params, example_batch)))
+    return _timed(_rebalanced(step, replan, started, measure_again))
+
+
+def _timed(step: Step) -> Step:
+    """`step`, its setup's phases logged (engine.setup_clock)."""
+    log.info("rank %d: %s", step.world.rank, step.setup)
+    return step
 
 
 def _rebalanced_in_steps(step: Step, replan: Callable[..., Planned], started: Callable[..., Step],
@@ -324,7 +338,8 @@ def _checked(step: Step, entry: plancache.CachedPlan | None, example_batch: Sequ
     """The ranks agree (Step.verify), the plan cache records or checks the programs, CUDA kernels load and
     every program is measured there (Step.profile_programs; elsewhere too with `measure`); elsewhere compiled
     programs compile."""
-    programs = step.verify()
+    with step.setup.phase("verify"):
+        programs = step.verify()
     if entry is not None:
         plancache.record_programs(entry, programs, write=step.world.rank == 0)
     if step.world.device.type == "cuda" or measure:  # kernels loaded, programs compiled and measured
@@ -333,7 +348,8 @@ def _checked(step: Step, entry: plancache.CachedPlan | None, example_batch: Sequ
         log.info("rank %d: predicted step %s from the measured programs (planner: %.2f ms)", step.world.rank,
                  "n/a" if predicted is None else f"{predicted * 1e3:.2f} ms", step.plan.predicted_step_time * 1e3)
     elif step.executor.compiler != "fx":
-        step.load_programs()  # the ranks wait out each other's compiles here, not in a step
+        with step.setup.phase("compile"):
+            step.load_programs()  # the ranks wait out each other's compiles here, not in a step
     log.info("rank %d: %s", step.world.rank, step.program)
     for stage, seconds in sorted(step.compile_seconds.items()):
         log.info("rank %d: stage %d compiled in %.1f s (%s)", step.world.rank, stage, seconds, step.executor.compiler)
@@ -363,13 +379,33 @@ class _Found:
 
 def _planned(world: launch.World, workshop: Workshop, loss_fn: Callable, params: Any, batch: Sequence[Any], *,
              schedule: str, build: Callable[..., Any], plan_cache: Any, calibrate: Any, compiler: str,
-             options: dict[str, Any], timeout: float = 60.0) -> _Found:
+             options: dict[str, Any], timeout: float = 60.0, clock: SetupClock | None = None) -> _Found:
     """The plan with its artefacts: searched here, or loaded from the plan cache and its stage programs
-    built (once each) for it. A calibrated plan is costed as `compiler`'s programs run."""
+    built (once each) for it. A calibrated plan is costed as `compiler`'s programs run. `clock` times the
+    calibration, the tracing and the rest of the planning."""
+    clock = SetupClock() if clock is None else clock
     if calibrate:
-        table = calibration(world, workshop, calibrate, microbatches=options["microbatches"], dp=options["dp"],
-                            compiler=compiler, timeout=timeout)
+        with _tracing(clock, "calibration", workshop):
+            table = calibration(world, workshop, calibrate, microbatches=options["microbatches"], dp=options["dp"],
+                                compiler=compiler, timeout=timeout)
         options["calibration"] = table.for_compiler(compiler)
+    with _tracing(clock, "plan", workshop):
+        return _plan(world, workshop, loss_fn, params, batch, schedule=schedule, build=build,
+                     plan_cache=plan_cache, options=options)
+
+
+@contextmanager
+def _tracing(clock: SetupClock, name: str, workshop: Workshop) -> Iterator[None]:
+    """Phase `name` timed on `clock`, the tracing done inside it counted as "trace" instead."""
+    traced = workshop.trace_seconds
+    with clock.phase(name):
+        yield
+    clock.add("trace", workshop.trace_seconds - traced)
+    clock.take(name, workshop.trace_seconds - traced)
+
+
+def _plan(world: launch.World, workshop: Workshop, loss_fn: Callable, params: Any, batch: Sequence[Any], *,
+          schedule: str, build: Callable[..., Any], plan_cache: Any, options: dict[str, Any]) -> _Found:
     if plan_cache is None:
         return _Found(search(loss_fn, params, *batch, world_size=world.size, schedule=schedule, workshop=workshop,
                              build=build, **options), None)

@@ -16,6 +16,7 @@ from ir.token_mean import token_mean
 from ..errors import PlanError, RuntimeMismatchError
 from ..planning.artifacts import Planned
 from ..planning.plan import fingerprint
+from ..setup_clock import SetupClock
 from . import launch, routing
 from .assemble import Programs, channels, common_fingerprints, disagreements, interface, reduce_groups
 from .executor import Executor, Hook
@@ -59,8 +60,10 @@ class Step:
     """
 
     def __init__(self, planned: Planned, world: launch.World, transport: Transport, *, hook: Hook | None = None,
-                 compiler: str = "auto", program: Program | None = None, check_inputs: str = "first") -> None:
+                 compiler: str = "auto", program: Program | None = None, check_inputs: str = "first",
+                 setup: SetupClock | None = None) -> None:
         self.planned, self.world, self.transport = planned, world, transport
+        self.setup = SetupClock() if setup is None else setup  # parallelize's phases, this Step's among them
         self.plan, self.graph, self.infos, self.table = planned.plan, planned.graph, planned.stages, planned.table
         self.programs = Programs(planned, {world.rank: program} if program is not None else None)
         at = routing.place(self.plan, world.rank)
@@ -202,9 +205,11 @@ class Step:
         if first and all(x.device.type != "meta" and not is_fake(x) for x in first):  # else stand-ins throughout
             offset = self.graph.num_params
             mb = {offset + j: x.to(self.world.device).contiguous() for j, x in enumerate(first)}
-        self.load_programs(mb)
-        self.profile = gather(self.executor.measure(self.local_stages, batch=mb, passes=passes),
-                              self.transport.all_gather_json)
+        with self.setup.phase("compile"):
+            self.load_programs(mb)
+        with self.setup.phase("measure"):
+            self.profile = gather(self.executor.measure(self.local_stages, batch=mb, passes=passes),
+                                  self.transport.all_gather_json)
         return self.profile
 
     @property

@@ -16,6 +16,7 @@ asks for them (`Planned.stages`), so `engine.plan` never traces a stage and exec
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,6 +103,7 @@ class Workshop:
         self.traced = parts.local if parts is not None else fn
         self.finish = parts.finish if parts is not None else None
         self._graphs: dict[int, ir.Graph] = {}
+        self.trace_seconds = 0.0  # wall seconds spent tracing `fn` (engine.setup_clock)
         self._mixed: dict[int, ir.MixedRows | None] = {}
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike: dict[tuple[Any, ...], ir.StageAD] = {}
@@ -116,7 +118,9 @@ class Workshop:
         """The graph of one microbatch of `size` rows, checked against the loss contract (`ir.check_loss`)."""
         if size not in self._graphs:
             specs = pytree.tree_map(lambda x: microbatch_spec(x, size), self.batch)
+            started = time.perf_counter()
             graph = ir.trace(self.traced, self.params, *specs, device=self.device)
+            self.trace_seconds += time.perf_counter() - started
             self._graphs[size] = ir.check_loss(graph, has_aux=self.has_aux, name=getattr(self.fn, "__name__", "loss_fn"))
         return self._graphs[size]
 
