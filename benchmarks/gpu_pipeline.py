@@ -154,13 +154,14 @@ def variant(modes: list[str]) -> Iterator[Any]:
     (engine.planning.refine.ROOMS = (N,); "room0": none), "gated" gated receives (FNPIPE_GATED_RECV=1), "copy"
     copy-engine channels (FNPIPE_P2P=copy; both read when the transports are made, inside parallelize), "cold"
     the stage programs timed from a cold L2 cache (FNPIPE_PROFILE_COLD=1), "graphs" each compute replayed as a
-    CUDA graph (FNPIPE_CUDA_GRAPHS=1). Yields parallelize's `rebalance`."""
+    CUDA graph (FNPIPE_CUDA_GRAPHS=1), "cpp" inductor's C++ wrapper (FNPIPE_CPP_WRAPPER=1). Yields parallelize's
+    `rebalance`."""
     from engine.planning import refine
 
     rebalance = REBALANCE[next((m for m in modes if m in REBALANCE), "")]
     rooms = [int(m[4:]) for m in modes if m.startswith("room")]
     switches = {"gated": ("FNPIPE_GATED_RECV", "1"), "copy": ("FNPIPE_P2P", "copy"), "cold": ("FNPIPE_PROFILE_COLD", "1"),
-                "graphs": ("FNPIPE_CUDA_GRAPHS", "1")}
+                "graphs": ("FNPIPE_CUDA_GRAPHS", "1"), "cpp": ("FNPIPE_CPP_WRAPPER", "1")}
     saved_rooms = refine.ROOMS
     saved = {name: os.environ.get(name) for name, _ in switches.values()}
     try:

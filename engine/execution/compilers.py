@@ -29,6 +29,8 @@ import torch
 
 import ir
 
+from ..errors import PlanError
+
 log = logging.getLogger("engine.compile")
 Compiled = Callable[..., Any]
 Compiler = Callable[[ir.Graph, tuple[int, ...]], Compiled]
@@ -72,7 +74,7 @@ def _cache_counts() -> tuple[int, int]:
     return int(c["fxgraph_cache_hit"]), int(c["fxgraph_cache_miss"])
 
 
-_SHARED: dict[tuple[str, tuple[int, ...]], Compiled] = {}  # program key -> compiled, for this process
+_SHARED: dict[tuple[Any, ...], Compiled] = {}  # (program key, C++ wrapper) -> compiled, for this process
 
 
 def program_key(graph: ir.Graph, accumulate: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
@@ -81,13 +83,61 @@ def program_key(graph: ir.Graph, accumulate: tuple[int, ...]) -> tuple[str, tupl
     return ir.program_digest(graph), tuple(accumulate)
 
 
+CPP_WRAPPER = "FNPIPE_CPP_WRAPPER"
+ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def cpp_wrapper() -> bool:
+    """`FNPIPE_CPP_WRAPPER` = 1 / 0 (default 0): inductor's C++ wrapper around each compiled program, which
+    launches its kernels from C++ instead of generated Python. A stage program of a deep pipeline is short
+    and its host needs about what its device does (zbv at p = 4: a program's launch from an idle device
+    0.41-1.04 x its device time, `benchmarks/diagnose_p2.py --host`, 4 x H200, 2026-11-27); the C++ wrapper
+    halved those launch costs there (GPT). A value it cannot mean raises PlanError (`engine.init` asks
+    first, on every rank, before any communication)."""
+    value = os.environ.get(CPP_WRAPPER, "0").strip().lower()
+    if value not in ON + OFF:
+        raise PlanError(f"{CPP_WRAPPER}={value!r}: set it to 1 (inductor's C++ wrapper) or 0 (its Python wrapper)")
+    return value in ON
+
+
 def inductor(graph: ir.Graph, accumulate: tuple[int, ...]) -> Compiled:
-    """The fx program of `graph` compiled by torch.compile's inductor, shared by identical programs."""
-    key = program_key(graph, accumulate)
+    """The fx program of `graph` compiled by torch.compile's inductor, shared by identical programs; with
+    `cpp_wrapper()` in inductor's C++ wrapper, or its Python wrapper where that fails to compile."""
+    cpp = cpp_wrapper()
+    key = (*program_key(graph, accumulate), cpp)
     if key not in _SHARED:
-        _SHARED[key] = torch.compile(ir.compile_graph(graph, accumulate), backend="inductor", fullgraph=True,
-                                     dynamic=False)
+        fx = ir.compile_graph(graph, accumulate)
+        python = _compiled(fx, cpp=False)
+        _SHARED[key] = _Fallback(_compiled(fx, cpp=True), python) if cpp else python
     return _SHARED[key]
+
+
+def _compiled(fx: Compiled, *, cpp: bool) -> Compiled:
+    return torch.compile(fx, backend="inductor", fullgraph=True, dynamic=False,
+                         options={"cpp_wrapper": True} if cpp else None)
+
+
+class _Fallback:
+    """`first` (the C++-wrapped program), or `second` from the first call on where compiling `first` failed:
+    inductor's BackendCompilerFailed, raised before any kernel ran, so no accumulator was touched."""
+
+    def __init__(self, first: Compiled, second: Compiled) -> None:
+        self.fn, self.second, self.tried = first, second, False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.tried:
+            return self.fn(*args)
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            out = self.fn(*args)
+        except BackendCompilerFailed as err:
+            log.warning("inductor's C++ wrapper failed to compile a stage program (%s); it runs in the Python "
+                        "wrapper instead", str(err).splitlines()[0][:300])
+            self.fn = self.second
+            out = self.fn(*args)
+        self.tried = True
+        return out
 
 
 COMPILERS: dict[str, Compiler] = {
@@ -130,14 +180,14 @@ class CompileLog:
 
     def __init__(self) -> None:
         self.times: dict[tuple[int, str], CompileTime] = {}
-        self._seen: set[tuple[str, tuple[int, ...]]] = set()
+        self._seen: set[tuple[Any, ...]] = set()
 
     def wrap(self, compiler: Compiler, stage: int, kind: str, graph: ir.Graph,
              accumulate: tuple[int, ...]) -> Compiled:
         """`compiler(graph, accumulate)`, its first call timed into this log (fx compiles nothing: not logged)."""
         if compiler is ir.compile_graph:
             return compiler(graph, accumulate)
-        key = program_key(graph, accumulate)
+        key = (*program_key(graph, accumulate), cpp_wrapper()) if compiler is inductor else program_key(graph, accumulate)
         shared = key in _SHARED or key in self._seen
         self._seen.add(key)
         fn = compiler(graph, accumulate)

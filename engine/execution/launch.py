@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..errors import EngineError, PlanError
 from ..planning.calibration import settle_seconds
-from . import copies, graphs, netaddr
+from . import compilers, copies, graphs, netaddr
 
 log = logging.getLogger("engine.launch")
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -180,6 +180,7 @@ def init(timeout: float = 60.0) -> World:
     td = datetime.timedelta(seconds=check_timeout(timeout))
     copies.reserve_queues()  # FNPIPE_P2P=copy: hardware queues for its waiting streams, before CUDA starts
     graphs.switch()  # a bad FNPIPE_CUDA_GRAPHS raises here, on every rank that has it, before any communication
+    compilers.cpp_wrapper()  # and a bad FNPIPE_CPP_WRAPPER
     settle_seconds(torch.device("cpu"))  # so does a bad FNPIPE_PROFILE_SETTLE
     if dist.is_available() and dist.is_initialized():
         rank, size = dist.get_rank(), dist.get_world_size()

@@ -1,6 +1,7 @@
 """engine.execution.compilers: "auto" picks by device, identical programs compile once, the cache directory."""
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import engine
 import ir
+from engine.errors import PlanError
 from engine.execution import compilers
 from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
 
@@ -88,3 +90,57 @@ def test_the_disk_cache_goes_beside_the_plans_unless_the_user_chose(tmp_path, mo
     assert compilers.use_cache_dir(tmp_path / "plans") == str(tmp_path / "mine")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert compilers.use_cache_dir(tmp_path / "deploy.json") == str((tmp_path / "inductor").resolve())
+
+
+def test_cpp_wrapper_switch_keys_its_own_program_and_refuses_what_it_cannot_mean(monkeypatch) -> None:
+    """FNPIPE_CPP_WRAPPER picks inductor's C++ wrapper: a program compiled both ways in one process is two
+    callables (never the other's), and a value it cannot mean is a PlanError naming the fix."""
+    graph = ir.trace(lambda p, x: torch.tanh(x @ p).sum(), torch.randn(4, 4), torch.randn(2, 4))
+    monkeypatch.delenv("FNPIPE_CPP_WRAPPER", raising=False)
+    assert not compilers.cpp_wrapper()
+    python = compilers.inductor(graph, ())
+    monkeypatch.setenv("FNPIPE_CPP_WRAPPER", "1")
+    assert compilers.cpp_wrapper()
+    cpp = compilers.inductor(graph, ())
+    assert cpp is not python and isinstance(cpp, compilers._Fallback) and cpp is compilers.inductor(graph, ())
+    monkeypatch.setenv("FNPIPE_CPP_WRAPPER", "maybe")
+    with pytest.raises(PlanError, match="FNPIPE_CPP_WRAPPER='maybe': set it to 1"):
+        compilers.cpp_wrapper()
+    with pytest.raises(PlanError, match="FNPIPE_CPP_WRAPPER"):
+        engine.init()
+
+
+def test_a_cpp_wrapper_that_fails_to_compile_falls_back_to_the_python_wrapper() -> None:
+    """The C++-wrapped program's BackendCompilerFailed (raised before any kernel ran) hands the call, and every
+    later one, to the Python-wrapped program, with a warning; any other error is the caller's."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    calls = []
+
+    def broken(*args):  # noqa: ANN202
+        calls.append("cpp")
+        failed = BackendCompilerFailed.__new__(BackendCompilerFailed)  # its __init__'s arguments vary by version
+        Exception.__init__(failed, "backend='inductor' raised: no C++ compiler")
+        raise failed
+
+    def python(*args):  # noqa: ANN202
+        calls.append("python")
+        return sum(args)
+
+    fn = compilers._Fallback(broken, python)
+    records: list[logging.LogRecord] = []
+    handler, logger = logging.Handler(logging.WARNING), logging.getLogger("engine.compile")
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        assert fn(1, 2) == 3 and fn(3, 4) == 7
+    finally:
+        logger.removeHandler(handler)
+    assert calls == ["cpp", "python", "python"]
+    assert ["C++ wrapper failed to compile" in r.getMessage() for r in records] == [True]
+
+    def oom(*args):  # noqa: ANN202
+        raise torch.OutOfMemoryError("out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        compilers._Fallback(oom, python)(1)

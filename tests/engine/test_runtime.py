@@ -167,6 +167,29 @@ def test_inductor_compiled_stage_programs_give_the_same_loss_and_grads(schedule:
     assert set(step.compile_seconds) == set(step.local_stages) and min(step.compile_seconds.values()) > 0
 
 
+@pytest.mark.slow
+def test_inductors_cpp_wrapper_gives_the_same_loss_and_grads(monkeypatch) -> None:
+    """FNPIPE_CPP_WRAPPER=1: the stage programs in inductor's C++ wrapper (kernels launched from C++), float64
+    loss and every grad leaf as torch.func.grad, the weight grads added into the accumulators inside."""
+    import engine
+    from torch.utils import _pytree as pytree
+
+    from engine.execution import compilers
+    from examples.gpt_model import GPTConfig, example_batch, init_params, make_loss_fn
+
+    monkeypatch.setenv("FNPIPE_CPP_WRAPPER", "1")
+    config = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=1, head_dim=16)
+    params, (x, y), fn = init_params(config, torch.float64), example_batch(config, 4), make_loss_fn(config)
+    step = engine.parallelize(fn, params, x, y, microbatches=2, compiler="inductor")
+    loss, grads = step(step.shard(params), x, y)
+    want_grads, want_loss = torch.func.grad_and_value(fn)(params, x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    for got, want in zip(pytree.tree_leaves(grads), pytree.tree_leaves(want_grads), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    parts = list(step.executor.parts.values())
+    assert parts and all(isinstance(p.fn, compilers._Fallback) and p.fn.fn is not p.fn.second for p in parts)
+
+
 def test_an_unknown_compiler_is_refused_naming_the_choices() -> None:
     import engine
     from engine.errors import PlanError
