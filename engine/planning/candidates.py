@@ -71,7 +71,6 @@ class Candidates:
         self.min_blocks = min_blocks
         self._tables: dict[Layout, schedules.Table] = {}
         self._live: dict[int, tuple[schedules.Table, tuple[int, ...]]] = {}  # id(table) -> (table, its peak_live)
-        self.traced = False  # cost stages on their own traced joints (set for fixed cuts), not stitched ones
         self.screen = False  # evaluate zero-bubble orders by their hand-built seeds only (see `evaluate`)
         self._zero: dict[Layout, bool] = {}  # "auto": the layouts that fit only with ZeRO-1
         # shared by the planners of one search (schedule="auto": one per candidate schedule, one model and workshop)
@@ -103,15 +102,18 @@ class Candidates:
         """Stage autodiff for costing at this microbatch size: joints stitched from the blocks' (fine and coarse
         bounds both, see `Workshop.costing`), so each distinct block is traced once whatever stages the search
         tries."""
-        if self.traced:  # the user's cuts: the stages costed are the plan's, whose programs are traced anyway
-            return lambda stage, recompute: self.workshop.autodiff(size, stage, recompute)
-        pieces = tuple(sorted(set(self.blocks(size, True).bounds) | set(self.blocks(size, False).bounds)))
+        pieces = self.pieces(size)
         return lambda stage, recompute: self.workshop.costing(size, stage, recompute, pieces)
+
+    def pieces(self, size: int) -> tuple[int, ...]:
+        """The block bounds (fine and coarse) whose pieces' joints stitch a stage's (`Workshop.costing`: a stage
+        with a cut elsewhere, e.g. the user's inside a block, is traced)."""
+        return tuple(sorted(set(self.blocks(size, True).bounds) | set(self.blocks(size, False).bounds)))
 
     def blocks(self, size: int, fine: bool, *, exact: bool = False, split_bw: bool = False) -> Blocks:
         """Blocks at this microbatch size, with estimated costs or (`exact`) costs from stage autodiff
         (`split_bw`: the schedule runs B and W apart)."""
-        key = (size, fine, exact, split_bw and exact, self.min_blocks, self.traced, self.model.split_backward)
+        key = (size, fine, exact, split_bw and exact, self.min_blocks, self.model.split_backward)
         if key not in self._blocks:
             if exact:
                 self._blocks[key] = exact_blocks(self.graph(size), self.blocks(size, fine), self.model,

@@ -204,7 +204,6 @@ class Session:
                              limit=float(memory_limit if memory_limit is not None else profile.memory_bytes),
                              min_blocks=max(c.num_stages for c in candidates), recompute=recompute,
                              fused_recompute=fused_recompute, blocks=blocks)
-        planner.traced = cuts is not None
         return cls(planner, candidates, counts, v, world_size, {"stages": stages, "dp": dp,
                                                                 "microbatches": microbatches},
                    None if cuts is None else tuple(cuts), whole=cut and not any(splits(lay) for lay in candidates))
@@ -316,5 +315,6 @@ def _chosen(planner: Candidates, cand: Candidate, equal_step_time: float = 0.0) 
             split_log.info("%s on stages %s (memory limit %s)", name, [k for k, r in enumerate(flags) if r],
                            nbytes(p.memory_limit or 0))
     size = p.microbatch_size
-    return Planned(p, planner.graph(size), lambda: planner.workshop.stages(size, p.cuts, p.recompute, p.remat),
+    pieces = planner.pieces(size)
+    return Planned(p, planner.graph(size), lambda: planner.workshop.stages(size, p.cuts, p.recompute, p.remat, pieces),
                    lowered_table(p, planner.build), planner.workshop.finish)

@@ -38,14 +38,15 @@ def test_parallelize_traces_once_differentiates_each_stage_once_and_emits_only_i
         assert given["num_stages"] == 2
         assert given["trace"] == 1, given                       # one trace of the microbatch graph
         assert given["stage_autodiff"] == given["distinct_stage_autodiff"] == 2, given   # one per stage
-        assert given["trace_joint"] == given["distinct_trace_joint"] == 2, given
+        # each stage's joint stitched from its blocks' (one trace per distinct block), no joint traced twice
+        assert given["trace_joint"] == given["distinct_trace_joint"] > 0, given
         assert given["emitted_for"] == [rank], given             # this rank's program only
         assert given["registry_get"] == 1 and given["lower"] == 1 and given["simulate"] == 1, given
         auto = recs[(rank, "split_by_the_planner")]
         assert auto["trace"] == 1 and auto["emitted_for"] == [rank] and auto["lower"] == 1, auto
         assert auto["registry_get"] == 1, auto
-        # the splitter differentiates blocks and candidate stages to cost them (on stitched joints), the
-        # chosen stages again on their traced joints for the programs; no joint is traced twice
+        # the splitter differentiates blocks and candidate stages to cost them on stitched joints, the chosen
+        # stages run the same; no joint is traced twice
         assert auto["stage_autodiff"] <= 2 * auto["distinct_stage_autodiff"], auto
         assert auto["trace_joint"] == auto["distinct_trace_joint"] > 0, auto
     assert two_ranks.count("OK rank") == 4, two_ranks
