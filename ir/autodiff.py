@@ -367,8 +367,8 @@ def _reads(g: Graph, idx: set[int]) -> set[Var]:
 
 def _saved(g: Graph, f: set[int], b_need: set[Var], w_need: set[Var], rb: set[int], rw: set[int]) -> set[Var]:
     """Values F must hand on: read (or returned) by B or W, made by an F equation the reader does not redo."""
-    prod = g.producers()
-    return {v for v in b_need if prod.get(v) in f - rb} | {v for v in w_need if prod.get(v) in f - rw - rb}
+    prod, for_b, for_w = g.producers(), f - rb, f - rw - rb  # the differences once, not once per value
+    return {v for v in b_need if prod.get(v) in for_b} | {v for v in w_need if prod.get(v) in for_w}
 
 
 def _needs(g: Graph, part: set[int], outputs: Sequence[Any]) -> set[Var]:
