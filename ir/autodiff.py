@@ -247,10 +247,10 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = 
     rw: set[int] = set()
 
     def held(rb: set[int], rw: set[int]) -> int:
-        return sum(x.aval.nbytes for x in _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw) - kept)
+        return sum(x.aval.nbytes for x in _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw, prod) - kept)
 
     for _ in range(8):  # a fixed point: each pass may make further operands available
-        saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw)
+        saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw, prod)
         grown = False
         for part, remat, other in ((b, rb, set()), (w, rw, rb)):
             done = remat | other  # F equations this part recomputes or gets recomputed from B
@@ -273,7 +273,7 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = 
                     done |= chain
                     grown = True
                     if trade:  # what the part now reads in v's place is saved from here on
-                        saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw)
+                        saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw, prod)
         if not grown:
             break
     return rb, rw
@@ -365,9 +365,12 @@ def _reads(g: Graph, idx: set[int]) -> set[Var]:
     return {v for i in idx for v in g.eqns[i].inputs}
 
 
-def _saved(g: Graph, f: set[int], b_need: set[Var], w_need: set[Var], rb: set[int], rw: set[int]) -> set[Var]:
-    """Values F must hand on: read (or returned) by B or W, made by an F equation the reader does not redo."""
-    prod, for_b, for_w = g.producers(), f - rb, f - rw - rb  # the differences once, not once per value
+def _saved(g: Graph, f: set[int], b_need: set[Var], w_need: set[Var], rb: set[int], rw: set[int],
+           prod: dict[Var, int] | None = None) -> set[Var]:
+    """Values F must hand on: read (or returned) by B or W, made by an F equation the reader does not redo
+    (`prod`: `g.producers()`, if the caller has it)."""
+    prod = g.producers() if prod is None else prod
+    for_b, for_w = f - rb, f - rw - rb  # the differences once, not once per value
     return {v for v in b_need if prod.get(v) in for_b} | {v for v in w_need if prod.get(v) in for_w}
 
 
