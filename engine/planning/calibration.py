@@ -99,6 +99,8 @@ class Calibration:
     # compiler -> its programs' scale per span of the model over the whole model's (engine.planning.regions)
     regions: Mapping[str, MeasuredScale] = attrs.field(factory=dict, converter=dict)
     selected: str = "fx"  # the compiler `for_compiler` chose, whose region scales `region` gives
+    # program digests of the microbatch graphs every op of whose training step is timed here (`calibrate_training`)
+    covered: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def region(self) -> MeasuredScale | None:
@@ -118,7 +120,8 @@ class Calibration:
                            "compiled": dict(sorted(self.compiled.items())), "backward_scale": self.backward_scale,
                            "compiled_backward": dict(sorted(self.compiled_backward.items())),
                            "regions": {k: [r.num_eqns, [attrs.astuple(x) for x in r.spans], r.batch, REGIONS_FORMAT]
-                                       for k, r in sorted(self.regions.items())}})
+                                       for k, r in sorted(self.regions.items())},
+                           "covered": sorted(self.covered)})
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
@@ -129,7 +132,8 @@ class Calibration:
                    {k: float(v) for k, v in d.get("compiled_backward", {}).items()},
                    {k: MeasuredScale(int(r[0]), [Span(*x) for x in r[1]], r[2])  # a scale without its graph's
                     for k, r in d.get("regions", {}).items()  # key, or of an older format: measured again
-                    if len(r) == 4 and r[2] and r[3] == REGIONS_FORMAT})
+                    if len(r) == 4 and r[2] and r[3] == REGIONS_FORMAT},
+                   covered=tuple(d.get("covered", ())))
 
     def for_compiler(self, name: str) -> Calibration:
         """The table as programs compiled by `name` run: its measured scales in place of fx's ("fx", or a
@@ -234,10 +238,16 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
     `compile_program(graph, accumulate)` is how the runtime makes a program runnable (the execution
     side's compiler, handed in: planning does not import execution); `compiled` names other compilers
     whose programs' scale is measured too (`Calibration.compiled`; again only when ops were timed). The
-    scales per span of the model come after, from `engine.planning.regions.with_regions`."""
+    scales per span of the model come after, from `engine.planning.regions.with_regions`. A table that already
+    covers `g` (its digest in `covered`: every op timed) with every scale asked for is returned as it is, without
+    differentiating the model (seconds of a warm restart)."""
+    digest = ir.program_digest(g)
+    if calibration is not None and _complete(calibration, digest, inputs is not None, compiled or {}):
+        return calibration
     dev = torch.device(device)
+    joints: dict[Any, ir.Graph] = {}  # the model's joint, traced once for both recompute levels
     ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
-                           constant_outputs=range(1, len(g.outputs)))  # a loss function's aux: not differentiated
+                           constant_outputs=range(1, len(g.outputs)), joints=joints)  # aux: not differentiated
     cal = calibrate(g, dev, repeats=repeats, calibration=calibration)
     for part in (ad.forward, ad.backward_input, ad.backward_weight):
         cal = calibrate(part.graph, dev, repeats=repeats, calibration=cal)
@@ -249,21 +259,30 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
     cal = attrs.evolve(cal, times=times)
     fresh = calibration is None or cal.times != calibration.times
     if inputs is None:
-        return cal  # nothing real to run: the scales stand
+        return attrs.evolve(cal, covered=sorted({*cal.covered, digest}))  # nothing real to run: the scales stand
     if fresh or calibration.scale == 1.0 or calibration.backward_scale is None:
         cal = cal.with_scale(program_scale(ad, g, dev, cal, inputs, repeats=repeats, compile_program=compile_program))
     scales = {} if fresh else dict(cal.compiled)
     backs = {} if fresh else dict(cal.compiled_backward)
     if any(name not in backs for name in compiled or {}):  # a fusing compiler's stages run the cheap level
         fused = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
-                                  constant_outputs=range(1, len(g.outputs)), recompute="cheap")
+                                  constant_outputs=range(1, len(g.outputs)), recompute="cheap", joints=joints)
     for name, compiler in (compiled or {}).items():
         if name not in backs:
             found = program_scale(fused, g, dev, cal, inputs, repeats=repeats, compile_program=compiler)
             scales[name], backs[name] = found.forward, found.backward
             log.info("calibration: %s programs run %.3f x (forward) and %.3f x (backward) their ops' calibrated sum",
                      name, found.forward, found.backward)
-    return attrs.evolve(cal, compiled=scales, compiled_backward=backs)
+    return attrs.evolve(cal, compiled=scales, compiled_backward=backs, covered=sorted({*cal.covered, digest}))
+
+
+def _complete(table: Calibration, digest: str, scaled: bool, compiled: Mapping[str, Any]) -> bool:
+    """Whether `table` times every op of the graph of `digest` and (`scaled`: the caller has real inputs) holds the
+    whole programs' scales, fx's and each of `compiled`'s: `calibrate_training` would add nothing to it."""
+    if digest not in table.covered:
+        return False
+    return not scaled or (table.scale != 1.0 and table.backward_scale is not None
+                          and all(name in table.compiled_backward for name in compiled))
 
 
 def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibration,

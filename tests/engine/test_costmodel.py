@@ -214,6 +214,29 @@ def test_between_b_and_w_a_microbatch_holds_only_what_w_reads() -> None:
     assert peak_live(table) == (2, 2)
 
 
+def test_a_table_that_covers_the_graph_is_kept_without_differentiating_it(monkeypatch) -> None:
+    """calibrate_training on a table whose `covered` holds the graph's digest, with every scale asked for, returns
+    it as it is and never differentiates the model; another graph, or a compiler not measured yet, does the work."""
+    from engine.planning import calibration as calmod
+
+    params = {"layers": [torch.randn(16, 16) for _ in range(2)]}
+    x = torch.randn(8, 16)
+    g, other = _graph(_mlp, params, x), _graph(_mlp, params, x[:4])
+    inputs = [*params["layers"], x]
+    cal = calmod.calibrate_training(g, "cpu", repeats=2, inputs=inputs)
+    made = []
+    real = ir.stage_autodiff
+    monkeypatch.setattr(ir, "stage_autodiff", lambda *a, **k: made.append(1) or real(*a, **k))
+    assert calmod.calibrate_training(g, "cpu", calibration=cal, inputs=inputs) is cal and not made
+    assert calmod.calibrate_training(g, "cpu", calibration=cal) is cal and not made  # no inputs: no scale asked
+    grown = calmod.calibrate_training(other, "cpu", repeats=2, calibration=cal)
+    assert made and set(grown.covered) == {ir.program_digest(g), ir.program_digest(other)}
+    made.clear()
+    calmod.calibrate_training(g, "cpu", repeats=2, calibration=cal, inputs=inputs,
+                              compiled={"fx2": ir.compile_graph})  # a compiler whose scale is not in the table
+    assert made
+
+
 def test_the_program_scale_is_measured_saved_and_multiplies_every_calibrated_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """calibrate_training times each op and each weight grad's accumulation, then runs the whole forward
     and backward on the real inputs and keeps measured / summed times; the cost model scales calibrated
@@ -232,6 +255,7 @@ def test_the_program_scale_is_measured_saved_and_multiplies_every_calibrated_tim
     cal.save(path)
     assert Calibration.load(path) == cal
     assert calibrate_training(g, "cpu", calibration=cal, inputs=[*params["layers"], x]) == cal  # nothing new
+    assert cal.covered == (ir.program_digest(g),)  # every op of g's step timed: a warm start skips the autodiff
     unmeasured = attrs.evolve(cal, scale=1.0)  # a table made without inputs gets its scale once they come
     assert calibrate_training(g, "cpu", calibration=unmeasured, inputs=[*params["layers"], x]).scale != 1.0
     plain = CostModel(get_device("cpu"), LINKS["loopback"], attrs.evolve(cal, scale=1.0))
