@@ -73,8 +73,12 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
   case $part in
     two)  # at most 440 + 120 s: the budgets end each launch in time, `timeout` is the backstop
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-      bench 470 2 29514 --budget 430 --families "$families" --calibrate "$cal" --one-gpu-layers 0 --timeout 300 \
-        --out-dir "$out"
+      # TWO_LIMIT, COMPILERS, SCHEDULES, TORCH_EAGER, TORCH_COMPILED, TORCH_RISKY trim the first launch
+      limit=${TWO_LIMIT:-470}
+      bench "$limit" 2 29514 --budget $((limit - 40)) --families "$families" --calibrate "$cal" --one-gpu-layers 0 \
+        --timeout 300 --compilers "${COMPILERS:-auto,fx}" --schedules "${SCHEDULES:-1f1b,zb-h1,interleaved-1f1b,zbv}" \
+        --torch-eager "${TORCH_EAGER-1f1b}" --torch-compiled "${TORCH_COMPILED-1f1b,gpipe,interleaved-1f1b}" \
+        --torch-risky "${TORCH_RISKY-zb-h1,zbv,interleaved-zb}" --out-dir "$out"
       # warm restart: the compile cache and calibration tables the launch above left, fnpipe's default only
       mkdir -p "$out/warm"
       bench 130 2 29515 --budget 115 --min-row 20 --families "$families" --calibrate "$cal" --schedules 1f1b --compilers auto \
