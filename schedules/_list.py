@@ -124,25 +124,53 @@ class _Run:
 
     def choose(self, r: int, now: float, key: Key, w_rank: tuple[tuple[int, int], tuple[int, int]], look: bool
                ) -> tuple[Choice | None, tuple[float, ...] | None, list[tuple[float, tuple[float, ...]]]]:
-        """The most urgent ready action of rank ``r``, its key, and (arrival, key) of those coming."""
+        """The most urgent ready action of rank ``r``, its key, and (arrival, key) of those coming (the hot loop
+        of a planner's order search: `arrival` inlined, a key made only for an action that can be chosen)."""
         best, best_key, coming = None, None, []
-        live, limit = self.live[r], self.limit[r]
+        live, limit, m, lead = self.live[r], self.limit[r], self.m, self.lead[r]
+        nf, nb, nw = self.next[F], self.next[B], self.next[W]
+        ef, eb = self.ended[F], self.ended[B]
+        transfer, held, after, last = self.transfer, self.held, self.after, self.last
+        prefix = w_rank[live >= limit] if w_rank else None
         for s in self.stages[r]:
-            for kind in (F, B, W):
-                i = self.next[kind][s]
-                if i >= self.m or (kind == F and live + self.held[s] >= limit):
-                    continue
-                if kind == F and self.after[s] >= 0 and i - self.next[F][self.after[s]] >= self.lead[r]:
-                    continue
-                at = self.arrival(kind, s, i)
-                if at < 0:
-                    continue
-                k = ((w_rank[live >= limit][kind == W],) if w_rank else ()) + key(kind, s, i)
-                if at > now:
-                    coming.append((at, k if look else ()))
-                elif best_key is None or k < best_key:
-                    best, best_key = (kind, s, i), k
+            i = nf[s]  # F: its input from the stage before
+            if i < m and live + held[s] < limit and not (after[s] >= 0 and i - nf[after[s]] >= lead):
+                if s == 0:
+                    at = 0.0
+                else:
+                    t = ef[s - 1][i]
+                    at = t + transfer[s - 1] if t >= 0 else -1.0
+                if at >= 0:
+                    best, best_key = self._consider(F, s, i, at, now, key, prefix, look, best, best_key, coming)
+            i = nb[s]  # B: its forward here and the grad from the stage after
+            if i < m:
+                at = ef[s][i]
+                if at >= 0 and s != last:
+                    up = eb[s + 1][i]
+                    at = max(at, up + transfer[s]) if up >= 0 else -1.0
+                if at >= 0:
+                    best, best_key = self._consider(B, s, i, at, now, key, prefix, look, best, best_key, coming)
+            i = nw[s]  # W: its B
+            if i < m:
+                at = eb[s][i]
+                if at >= 0:
+                    best, best_key = self._consider(W, s, i, at, now, key, prefix, look, best, best_key, coming)
         return best, best_key, coming
+
+    @staticmethod
+    def _consider(kind: str, s: int, i: int, at: float, now: float, key: Key, prefix: tuple[int, int] | None,
+                  look: bool, best: Choice | None, best_key: tuple[float, ...] | None,
+                  coming: list[tuple[float, tuple[float, ...]]]) -> tuple[Choice | None, tuple[float, ...] | None]:
+        """`best` and its key after action (kind, s, i), whose input arrives at `at`, is weighed at `now`."""
+        if at > now and not look:
+            coming.append((at, ()))
+            return best, best_key
+        k = ((prefix[kind == W],) if prefix is not None else ()) + key(kind, s, i)
+        if at > now:
+            coming.append((at, k))
+        elif best_key is None or k < best_key:
+            return (kind, s, i), k
+        return best, best_key
 
     def start(self, r: int, now: float, choice: Choice) -> None:
         kind, s, i = choice
