@@ -164,6 +164,8 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
     use_cache_dir(plan_cache)  # inductor's compiled kernels beside the plans, unless TORCHINDUCTOR_CACHE_DIR says
 
     def started(found: Planned, entry: plancache.CachedPlan | None) -> Step:
+        with clock.phase("differentiate"):  # the plan's stage programs, built on first use (a plan cache's: in plan)
+            found.stages
         with clock.phase("connect"):
             transport = connect(world, found, timeout)
         with clock.phase("programs"):

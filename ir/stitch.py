@@ -24,6 +24,7 @@ from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from .autodiff import _joint, diff_positions
 from .core import Eqn, Graph, Literal, Var
@@ -90,6 +91,13 @@ def _ancestors(g: Graph, targets: Sequence[Any]) -> set[int]:
 ZEROS_LIKE_KWARGS = (("pin_memory", False),)
 
 
+class NotStitchable(Exception):
+    """The stage's joint is not the composition of its pieces' joints: a piece makes a value that nothing the
+    stage differentiates reads (an aux value made before the stage's last block), which the traced joint holds
+    constant but a piece's joint would differentiate from a zero cotangent (extra work, and 0 x inf = NaN
+    where the value's backward divides by it). Trace the stage's own joint instead."""
+
+
 class _Builder:
     """The stitched graph's equations, with each copied equation's outputs fresh (one piece's joint may be
     copied several times into one stage)."""
@@ -128,7 +136,7 @@ def stitched_joint(stage: Stage, pieces: Sequence[Piece], joints: Sequence[Graph
     """The joint graph of `stage` (as `ir.autodiff` traces it: inputs the stage graph's, then a cotangent per
     `diff_out` output; outputs the stage's, then a grad per `diff_in` input) from its consecutive pieces and
     each piece's traced joint (`joints[k]`, differentiated in its own float inputs and outputs except its
-    `constant` and `constant_outputs`)."""
+    `constant` and `constant_outputs`). NotStitchable where a piece's differentiated output gets no cotangent."""
     g = stage.graph
     src = _sources(g)
     keys_in, keys_out = g.inputs, tuple(_key(src, v) for v in g.outputs)
@@ -154,7 +162,9 @@ def stitched_joint(stage: Stage, pieces: Sequence[Piece], joints: Sequence[Graph
         read = {v for e in jg.eqns for v in e.inputs} | {v for v in jg.outputs if isinstance(v, Var)}
         for c, j in zip(jg.inputs[n_in:], p_out):
             if c in read:
-                rename[c] = b.total(sums, piece.keys_out[j], env[piece.keys_out[j]])
+                if piece.keys_out[j] not in sums:
+                    raise NotStitchable(f"piece output {piece.keys_out[j]} gets no cotangent")
+                rename[c] = sums[piece.keys_out[j]]
         for i, e in enumerate(jg.eqns):
             if i not in forward:
                 b.copy(e, rename)
@@ -165,6 +175,25 @@ def stitched_joint(stage: Stage, pieces: Sequence[Piece], joints: Sequence[Graph
     outs = tuple(v if isinstance(v, Literal) else env[k] for k, v in zip(keys_out, g.outputs))
     grads = tuple(b.total(sums, keys_in[i], ins[i]) for i in diff_in)
     return Graph(ins + cts, tuple(b.eqns), outs + grads, input_names=tuple(f"in{i}" for i in range(len(ins) + len(cts))))
+
+
+def check_runs(joint: Graph, device: str | None = None) -> Graph:
+    """`joint`, after running it on fake tensors (shapes and strides only, contiguous inputs on `device` as the
+    runtime gives a stage): NotStitchable if an op refuses. Each piece was traced on contiguous inputs and
+    cotangents, but in the stage a piece may get a transposed view from the piece before (or its cotangent from
+    the one after), and a traced `view` of it fails (a Hugging Face Llama's attention cut at its modules,
+    2026-11-27); the stage's own traced joint saw the real strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .evaluate import interpret
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            args = [torch.empty(tuple(v.aval.shape), dtype=v.aval.dtype, device=device or "cpu") for v in joint.inputs]
+            interpret(joint, args)
+    except Exception as err:  # noqa: BLE001 -- any refusal: the traced joint is the safe program
+        raise NotStitchable(f"the stitched joint does not run on the stage's strides: {err}") from err
+    return joint
 
 
 def _diff(piece: Piece) -> tuple[list[int], list[int]]:

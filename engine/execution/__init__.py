@@ -12,7 +12,7 @@ are in `schedules`) and program replay for memory (`footprint`).
 
 May import: `ir`, `schedules`, `engine.planning` (the Plan and the artefacts it carries), and
 engine's shared leaves (`engine.errors`, `engine.names`, `engine.logs`, `engine.progress`,
-`engine.units`).
+`engine.setup_clock`, `engine.units`).
 
 Must not import: `engine.training`, `engine.parallelize`, `engine.report` or `engine.testing`.
 """

@@ -8,7 +8,7 @@ the search that picks one (`search`, whose
 (`artifacts`), and the plan cache (`cache`).
 
 May import: `ir`, `schedules`, and engine's shared leaves (`engine.errors`, `engine.names`,
-`engine.logs`, `engine.progress`, `engine.units`, `engine.version`).
+`engine.logs`, `engine.progress`, `engine.setup_clock`, `engine.units`, `engine.version`).
 
 Must not import: `engine.execution`, `engine.training`, `engine.parallelize`, `engine.report` or
 `engine.testing`. A laptop plans for a cluster without a process group or a device. Calibration is the

@@ -10,8 +10,10 @@ Two kinds of joint graphs, for two uses. The search costs hundreds of candidate 
 one's joint (make_fx, about a millisecond per ATen op: 7 s for five 70 B layers) was most of planning.
 `costing` differentiates a candidate on a joint stitched from its blocks' traced joints (`ir.stitch`:
 each distinct block traced once, the same equations, tests/engine/test_stitch.py holds the costs equal).
-The programs that run come from each chosen stage's own traced joint (`stages`), built when a Step first
-asks for them (`Planned.stages`), so `engine.plan` never traces a stage and execution is as before.
+The programs that run are stitched too (`running`), from pieces between the graph's module cuts and the
+plan's cuts, so every path to a plan (a search, a plan cache's hit, the test tools) builds the same ones;
+a stage whose joint is not its pieces' is traced. They are built when a Step first asks for them
+(`Planned.stages`), so `engine.plan` never differentiates a chosen stage.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ir import stitch
 from ir.autodiff import diff_positions, joint_key, recompute_level
 
 from ..errors import PlanError
+from .blocks import crossing_bytes, module_cuts
 from .plan import Plan
 from .rows import check_plan
 
@@ -108,11 +111,15 @@ class Workshop:
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike: dict[tuple[Any, ...], ir.StageAD] = {}
         self._joints: dict[Any, ir.Graph] = {}  # traced joints, shared by a stage's recompute levels
-        # costing only (`costing`): blocks as pieces, joints stitched from theirs, the programs of those
+        # blocks as pieces, joints stitched from theirs, the programs of those: for costing (`costing`)
         self._pieces: dict[tuple[int, tuple[int, ...]], dict[int, tuple[int, stitch.Piece]]] = {}
-        self._stitched: dict[Any, ir.Graph] = {}
+        self._stitched: dict[Any, ir.Graph | None] = {}  # (joint key, pieces' bounds) -> joint; None: not stitchable
         self._costed: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike_costed: dict[tuple[Any, ...], ir.StageAD] = {}
+        # the programs a plan's stages run (`running`): stitched on bounds from the graph and the plan's cuts
+        self._running: dict[tuple[Any, ...], ir.StageAD] = {}
+        self._runs: dict[Any, bool] = {}  # stitched joint's key -> it runs on the stage's strides (`check_runs`)
+        self._alike_running: dict[tuple[Any, ...], ir.StageAD] = {}
 
     def graph(self, size: int) -> ir.Graph:
         """The graph of one microbatch of `size` rows, checked against the loss contract (`ir.check_loss`)."""
@@ -174,22 +181,42 @@ class Workshop:
         """Stage autodiff for costing a candidate stage: of a joint stitched from the traced joints of the
         pieces (blocks between `bounds`, equation indices) it spans (`ir.stitch`), so a stage of N alike
         layers costs one layer's trace (a piece is traced without the values that only pass through it, so
-        blocks alike but for those share it too). A stage whose cuts are not among `bounds` is traced
-        (`autodiff`). The plan's own stages run these programs too where `stages` gets the same bounds."""
+        blocks alike but for those share it too). A stage whose cuts are not among `bounds`, or whose joint is
+        not its pieces' (`stitch.NotStitchable`), is traced (`autodiff`)."""
         level = recompute_level(recompute)
         key = (size, _signature(stage), level)
         if key in self._ads:
             return self._ads[key]
-        pieces = self._pieces_in(size, tuple(bounds), stage)
+        if key not in self._costed:
+            self._costed[key] = self._stitched_or_traced(size, stage, level, tuple(bounds), self._alike_costed)
+        return self._costed[key]
+
+    def running(self, size: int, stage: ir.Stage, recompute: bool | str, cuts: Sequence[int]) -> ir.StageAD:
+        """The programs stage `stage` of a plan cut at `cuts` runs: stitched from the pieces between the graph's
+        module cuts and the plan's cuts (`blocks.module_cuts`: bounds from the graph alone, so a fresh search, a
+        plan cache's hit and the test tools build the same programs), or traced where the stage's joint is not
+        its pieces' (`stitch.NotStitchable`). Tracing each stage's joint took 9-13 s of a 0.85 B Llama's warm
+        restart (35-42 s, 2 x H100, 2026-11-27); stitched, each distinct block is traced once."""
+        level = recompute_level(recompute)
+        key = (size, _signature(stage), level, tuple(cuts))
+        if key not in self._running:
+            g = self.graph(size)
+            bounds = tuple(sorted({0, len(g.eqns), *module_cuts(g, crossing_bytes(g)), *cuts}))
+            self._running[key] = self._stitched_or_traced(size, stage, level, bounds, self._alike_running, run=True)
+        return self._running[key]
+
+    def _stitched_or_traced(self, size: int, stage: ir.Stage, level: bool | str, bounds: tuple[int, ...],
+                            alike_cache: dict[tuple[Any, ...], ir.StageAD], *, run: bool = False) -> ir.StageAD:
+        pieces = self._pieces_in(size, bounds, stage)
         if pieces is None:
             return self.autodiff(size, stage, level)
-        if key not in self._costed:
-            alike = (ir.program_digest(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
-                     stage.frozen_in, stage.frozen_out, stage.is_last, level)
-            if alike not in self._alike_costed:
-                self._alike_costed[alike] = self._stitch(stage, pieces, level)
-            self._costed[key] = self._alike_costed[alike]
-        return self._costed[key]
+        inside = tuple(b - stage.start for b in bounds if stage.start <= b <= stage.stop)  # the pieces' bounds
+        alike = (ir.program_digest(stage.graph), len(stage.param_ids), len(stage.batch_ids), len(stage.acts_out),
+                 stage.frozen_in, stage.frozen_out, stage.is_last, level, inside)
+        if alike not in alike_cache:
+            found = self._stitch(stage, pieces, level, inside, run=run)
+            alike_cache[alike] = found if found is not None else self.autodiff(size, stage, level)
+        return alike_cache[alike]
 
     def _pieces_in(self, size: int, bounds: tuple[int, ...], stage: ir.Stage) -> list[stitch.Piece] | None:
         if (size, bounds) not in self._pieces:
@@ -201,26 +228,42 @@ class Workshop:
             out.append(piece)
         return out if start == stage.stop and out else None
 
-    def _stitch(self, stage: ir.Stage, pieces: Sequence[stitch.Piece], level: bool | str) -> ir.StageAD:
+    def _stitch(self, stage: ir.Stage, pieces: Sequence[stitch.Piece], level: bool | str,
+                inside: tuple[int, ...], *, run: bool = False) -> ir.StageAD | None:
+        """The stage's autodiff on the joint stitched from `pieces` (bounds `inside`, relative to the stage's
+        start), None where the stage's joint is not its pieces' (`stitch.NotStitchable`) or, to `run` it, where
+        it does not run on the stage's strides (`stitch.check_runs`: costing needs no run)."""
         constant, aux = stage_constants(stage)
         diff_in, diff_out = diff_positions(stage.graph, constant, aux)
         key = joint_key(stage.graph, diff_in, diff_out, self.device)
-        if key not in self._stitched:
+        if (key, inside) not in self._stitched:
             joints = [stitch.piece_joint(p, self.device, self._joints) for p in pieces]
-            self._stitched[key] = stitch.stitched_joint(stage, pieces, joints, diff_in, diff_out)
-        return autodiff(stage, level, device=self.device, joints=self._stitched)
+            try:
+                self._stitched[(key, inside)] = stitch.stitched_joint(stage, pieces, joints, diff_in, diff_out)
+            except stitch.NotStitchable:
+                self._stitched[(key, inside)] = None
+        joint = self._stitched[(key, inside)]
+        if joint is not None and run:
+            if (key, inside) not in self._runs:
+                self._runs[(key, inside)] = _runs(joint, self.device)
+            joint = joint if self._runs[(key, inside)] else None
+        return None if joint is None else autodiff(stage, level, device=self.device, joints={key: joint})
 
     def stages(self, size: int, cuts: Sequence[int], recompute: Sequence[bool | str] = (),
-               remat: Sequence[bool] = (), bounds: Sequence[int] = ()) -> tuple[StageInfo, ...]:
-        """Every stage of `graph(size)` cut before the equations `cuts`, with its programs (stage k at
-        recompute level `recompute[k]`, or "cheap" where `remat[k]`: a Plan's two flags). With `bounds` (the
-        planner's block bounds, among which its cuts lie) each stage's joint is stitched from its blocks'
-        (`costing`: the joint traced stage by stage cost a warm restart of the 0.85 B Llama 9-13 s of its
-        35-42 s, 2 x H100, 2026-11-27), else traced."""
-        diff = (lambda st, level: self.costing(size, st, level, bounds)) if bounds else \
-            (lambda st, level: self.autodiff(size, st, level))
-        return tuple(StageInfo(st, diff(st, level_at(recompute, st.index, remat)))
+               remat: Sequence[bool] = ()) -> tuple[StageInfo, ...]:
+        """Every stage of `graph(size)` cut before the equations `cuts`, with the programs it runs (`running`;
+        stage k at recompute level `recompute[k]`, or "cheap" where `remat[k]`: a Plan's two flags)."""
+        return tuple(StageInfo(st, self.running(size, st, level_at(recompute, st.index, remat), cuts))
                      for st in ir.split(self.graph(size), cuts))
+
+
+def _runs(joint: ir.Graph, device: str) -> bool:
+    try:
+        stitch.check_runs(joint, device)
+    except stitch.NotStitchable as why:
+        log.info("a stage's stitched joint is traced instead: %s", str(why)[:300])
+        return False
+    return True
 
 
 def level_at(recompute: Sequence[bool | str], k: int, remat: Sequence[bool] = ()) -> bool | str:

@@ -315,6 +315,5 @@ def _chosen(planner: Candidates, cand: Candidate, equal_step_time: float = 0.0) 
             split_log.info("%s on stages %s (memory limit %s)", name, [k for k, r in enumerate(flags) if r],
                            nbytes(p.memory_limit or 0))
     size = p.microbatch_size
-    pieces = planner.pieces(size)
-    return Planned(p, planner.graph(size), lambda: planner.workshop.stages(size, p.cuts, p.recompute, p.remat, pieces),
+    return Planned(p, planner.graph(size), lambda: planner.workshop.stages(size, p.cuts, p.recompute, p.remat),
                    lowered_table(p, planner.build), planner.workshop.finish)

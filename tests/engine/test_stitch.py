@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 import engine
 import ir
+from ir import stitch
 from engine.planning import candidates as candidates_mod
 from engine.planning.artifacts import Workshop, autodiff
-from engine.planning.blocks import coarsen
+from engine.planning.blocks import coarsen, crossing_bytes, module_cuts
 from engine.planning.calibration import Calibration, accumulate_signature, ops_sums, signature
 from engine.planning.devices import get_device, get_link
 from engine.planning.op_costs import CostModel
@@ -166,3 +167,68 @@ def test_a_calibrated_one_stage_plan_costs_the_programs_its_scales_measured() ->
     assert stage.forward_time == pytest.approx(table.scale * sums.forward, rel=1e-9)
     backward = stage.backward_input_time + stage.backward_weight_time
     assert backward == pytest.approx(table.backward_scale * sums.backward, rel=1e-9)
+
+
+def _aux_first_layer(p, x, y):  # type: ignore[no-untyped-def]
+    h1 = torch.tanh(x @ p["ws"][0])
+    metric = h1.abs().sqrt().mean()  # an aux value made in the first block: nothing differentiates it
+    h = h1
+    for w in p["ws"][1:]:
+        h = torch.tanh(h @ w)
+    return torch.nn.functional.mse_loss(h @ p["w3"], y), metric
+
+
+def _aux_params() -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) / s[0] ** 0.5  # noqa: E731
+    params = {"ws": [r(8, 8) for _ in range(6)], "w3": r(8, 1)}
+    x, y = r(16, 8), r(16, 1)
+    x[3] = 0.0  # an all-zero row: the metric's sqrt has an infinite derivative there
+    return params, x, y
+
+
+def test_a_stage_whose_aux_value_is_made_before_its_last_block_runs_its_traced_joint() -> None:
+    """A piece output nothing differentiates (an aux metric of the first layer) would get a zero cotangent in
+    the stitched joint and its backward 0 x inf = NaN; the stage is not stitchable and runs its traced joint:
+    finite grads, torch.func.grad's to 1e-10."""
+    from torch.utils import _pytree as pytree
+
+
+    params, x, y = _aux_params()
+    shop = Workshop(_aux_first_layer, params, (x, y), has_aux=True)
+    (stage,) = ir.split(shop.graph(8), ())
+    bounds = tuple(sorted({0, len(stage.graph.eqns), *module_cuts(stage.graph, crossing_bytes(stage.graph))}))
+    pieces = shop._pieces_in(8, bounds, stage)
+    assert pieces is not None and len(pieces) > 1
+    joints = [stitch.piece_joint(p, "cpu", {}) for p in pieces]
+    with pytest.raises(stitch.NotStitchable):
+        stitch.stitched_joint(stage, pieces, joints, *_diff(stage))
+    step = engine.parallelize(_aux_first_layer, params, x, y, microbatches=2, has_aux=True)
+    (loss, _), grads = step(step.shard(params), x, y)
+    want, (want_loss, _) = torch.func.grad_and_value(_aux_first_layer, has_aux=True)(params, x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    for got, ref in zip(pytree.tree_leaves(grads), pytree.tree_leaves(want), strict=True):
+        assert bool(got.isfinite().all())
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-14)
+
+
+def test_a_plan_cache_hit_runs_the_programs_the_search_ran(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A warm start from the plan cache builds the programs the cold search built (stitched on bounds from the
+    graph and the plan's cuts alike): the cache's program fingerprints match, with per-layer aux metrics too."""
+    import engine
+
+    def loss_fn(p, x, y):  # type: ignore[no-untyped-def]
+        h, norms = x, []
+        for w in p["ws"]:
+            h = torch.tanh(h @ w)
+            norms.append(h.pow(2).mean())
+        return torch.nn.functional.mse_loss(h @ p["w3"], y), norms
+
+    params, x, y = _aux_params()
+    losses = []
+    for _ in ("cold", "warm"):
+        step = engine.parallelize(loss_fn, params, x, y, microbatches=2, has_aux=True, plan_cache=tmp_path)
+        (loss, _), _ = step(step.shard(params), x, y)
+        losses.append(loss)
+        step.close()
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
