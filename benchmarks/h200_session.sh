@@ -87,7 +87,7 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
     warm)  # 2 GPUs: fnpipe's default 1f1b launched on a cold compile cache, then twice warm (the cache and the
            # calibration of the launches before): each rank's setup phases (engine.setup_clock) in the log
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-      for run in cold warm warm2; do  # at most 190 + 2 x 160 s
+      for run in ${RUNS:-cold warm warm2}; do  # at most 190 + 2 x 160 s
         mkdir -p "$out/$run"
         limit=$([ "$run" = cold ] && echo 190 || echo 160)
         bench "$limit" 2 29515 --budget $((limit - 15)) --min-row 20 --families "$families" --calibrate "$cal" --schedules 1f1b \
