@@ -81,12 +81,31 @@ REDETACH = "fnpipe: received value detached again"
 
 
 def no_grad_values(g: Graph) -> set[Var]:
-    """Values no gradient flows through: batch inputs, `detach` results, and what only they feed."""
+    """Values no gradient flows through: batch inputs, `detach` results, and what only they and integer or bool
+    values feed (a float cast of a comparison: a loss's `weight=` made from `h > 0` carries none, and
+    binary_cross_entropy refuses a weight that requires grad)."""
     frozen = set(g.batch)
     for e in g.eqns:
-        if e.op == "aten.detach.default" or all(v in frozen for v in e.inputs):
+        if e.op == "aten.detach.default" or all(v in frozen or not v.aval.dtype.is_floating_point for v in e.inputs):
             frozen.update(e.out_vars)
     return frozen
+
+
+def off_the_loss(g: Graph) -> set[Var]:
+    """Values the loss's (`g.outputs[0]`) gradient does not reach: those only aux outputs read, or only through an
+    integer or bool value (a comparison); their gradient is zero. A stage that receives one holds it constant and
+    sends no grad back (a zeros grad would run the sender's backward of it: 0 x inf = NaN for a metric's sqrt at
+    zero, where torch.func.grad gives finite grads)."""
+    prod = g.producers()
+    need: set[Var] = set()
+    stack = [v for v in g.outputs[:1] if isinstance(v, Var)]
+    while stack:
+        v = stack.pop()
+        if v not in need:
+            need.add(v)
+            if v in prod and v.aval.dtype.is_floating_point:
+                stack.extend(g.eqns[prod[v]].inputs)
+    return {v for e in g.eqns for v in e.out_vars if v not in need}
 
 
 def _redetach(g: Graph, values: Sequence[Var]) -> Graph:
@@ -129,12 +148,13 @@ def _crossings(g: Graph, bounds: Sequence[int], order: Sequence[Var]) -> tuple[l
 def split(g: Graph, cuts: Sequence[int]) -> tuple[Stage, ...]:
     """Cut `g` before each equation index in `cuts`; a value used by a later stage is carried through
     the stages between, so each stage talks only to its neighbours. A received value that carries no
-    gradient in `g` (see `no_grad_values`: RoPE's cos and sin tables, masks made from the batch) is detached
+    gradient in `g` (see `no_grad_values`: RoPE's cos and sin tables, masks made from the batch; and
+    `off_the_loss`: an aux metric's values) is detached
     again in the receiving stage, and both stages name it (`frozen_in`, `frozen_out`) so that stage autodiff
     neither computes nor sends a gradient for it. Linear in the graph
     size plus what crosses the cuts (a 70 B model's 128-block graphs are split thousands of times)."""
     bounds = _check_cuts(g, cuts)
-    frozen = no_grad_values(g)
+    frozen = no_grad_values(g) | off_the_loss(g)
     order = list(g.defined())
     vid = {v: i for i, v in enumerate(order)}
     n = len(bounds) - 1

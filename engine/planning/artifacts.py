@@ -237,10 +237,13 @@ class Workshop:
         diff_in, diff_out = diff_positions(stage.graph, constant, aux)
         key = joint_key(stage.graph, diff_in, diff_out, self.device)
         if (key, inside) not in self._stitched:
-            joints = [stitch.piece_joint(p, self.device, self._joints) for p in pieces]
             try:
+                joints = [stitch.piece_joint(p, self.device, self._joints) for p in pieces]
                 self._stitched[(key, inside)] = stitch.stitched_joint(stage, pieces, joints, diff_in, diff_out)
             except stitch.NotStitchable:
+                self._stitched[(key, inside)] = None
+            except Exception as why:  # noqa: BLE001 -- a piece's trace an op refuses: the stage's own trace decides
+                log.info("a stage's joint is traced whole: a piece of it failed to trace (%s)", str(why)[:300])
                 self._stitched[(key, inside)] = None
         joint = self._stitched[(key, inside)]
         if joint is not None and run:

@@ -232,3 +232,57 @@ def test_a_plan_cache_hit_runs_the_programs_the_search_ran(tmp_path) -> None:  #
         losses.append(loss)
         step.close()
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cuts", [[7], [11]], ids=["cut-7", "cut-11"])
+def test_an_aux_value_carried_over_a_cut_gets_no_grad_back(cuts: list[int]) -> None:
+    """A first-layer metric (sqrt at an all-zero row) carried to the last stage, where it is aux: the receiver
+    holds it constant (`ir.slicing.off_the_loss`) and sends no zeros grad back, so the sender runs no backward of
+    it (0 x inf = NaN): finite grads, torch.func.grad's to 1e-10."""
+    from torch.utils import _pytree as pytree
+
+    from engine.execution.inprocess import build_steps, run_steps
+
+    params, x, y = _aux_params()
+    g = Workshop(_aux_first_layer, params, (x, y), has_aux=True).graph(8)
+    stages = ir.split(g, cuts)
+    assert stages[1].frozen_in and stages[0].frozen_out  # the metric: constant on both sides
+    plan = engine.plan(_aux_first_layer, params, x, y, world_size=2, stages=2, cuts=cuts, microbatches=2,
+                       has_aux=True, schedule="1f1b")
+    got = run_steps(build_steps(_aux_first_layer, params, (x, y), plan, has_aux=True), params, (x, y))
+    want, (want_loss, _) = torch.func.grad_and_value(_aux_first_layer, has_aux=True)(params, x, y)
+    torch.testing.assert_close(got.loss[0], want_loss, rtol=1e-12, atol=0)
+    for a, b in zip(pytree.tree_leaves(got.grads), pytree.tree_leaves(want), strict=True):
+        assert bool(a.isfinite().all())
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
+def _gated(p, x, y):  # type: ignore[no-untyped-def]
+    h, gate = x, None
+    for layer in p["layers"]:
+        m = (h @ layer["w"]).abs().sqrt()  # read later only through a comparison: no gradient reaches it
+        if gate is not None:
+            h = h * gate.to(h.dtype)
+        h = torch.tanh(h @ layer["w"])
+        gate = m > 0.3
+    cw = (h[:, :3] > 0).to(x.dtype) + 0.5  # a weight made from a comparison: binary_cross_entropy refuses one with grad
+    return F.binary_cross_entropy(torch.sigmoid(h @ p["out"]["w"]), y, weight=cw)
+
+
+def test_values_only_a_comparison_reads_carry_no_grad_in_stitched_and_cut_stages() -> None:
+    """A float read downstream only through a comparison, and a loss weight cast from one: no gradient reaches
+    either (`no_grad_values`, `off_the_loss`), so a stitched stage traces its pieces without a grad on them and a
+    cut between sends none (a zeros grad through sqrt's backward at zero was NaN, and binary_cross_entropy refused
+    a weight that required grad). One stage and two, torch.func.grad's numbers."""
+    from engine.testing import assert_parallel_equivalent
+
+    gen = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) / s[0] ** 0.5  # noqa: E731
+    params = {"layers": [{"w": r(6, 6)} for _ in range(4)], "out": {"w": r(6, 3)}}
+    params["layers"][0]["w"][:, 0] = 0.0
+    x, y = r(8, 6), torch.rand(8, 3, generator=gen, dtype=torch.float64)
+    x[2] = 0.0
+    n = len(ir.trace(_gated, params, x[:4], y[:4]).eqns)
+    for cuts in ([], [n // 2], [n // 3, 2 * n // 3]):
+        assert_parallel_equivalent(_gated, params, x, y, cuts=cuts, stages=len(cuts) + 1, microbatches=2,
+                                   rtol=1e-10, atol=1e-12)
