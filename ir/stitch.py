@@ -13,10 +13,13 @@ What it equals: the same equations as the joint traced for the whole stage (each
 is autograd's, traced once per piece), with the cotangents of a value read by several pieces summed by
 explicit adds where autograd sums them too; so the F/B/W partition, the saved values, the kernel times
 and the bytes `ir.stage_autodiff` derives from it are the traced joint's. Only the order of independent
-equations, and of the terms of a sum of three or more cotangents, may differ. The planner uses stitched
-joints to cost candidate stages, and a plan's stages whose cuts lie among its block bounds run them too
-(engine/planning/artifacts.py `Workshop.stages`): tracing each stage's own joint took 9-13 s of a 0.85 B
-Llama's 35-42 s warm restart on 2 x H100 (2026-11-27); a stage cut elsewhere is traced.
+equations, and of the terms of a sum of three or more cotangents, may differ; and where a value crossing
+between pieces is not contiguous, autograd's choice of formula (an `mm` backward's transposes, a `view` that
+needs a copy), which the piece made on a contiguous input: `check_runs` refuses a stitched joint an op fails
+on, the rest computes the same numbers (float64 to 1e-16 in the reviews). The planner uses stitched joints to
+cost candidate stages, and a plan's stages run them too (engine/planning/artifacts.py `Workshop.running`):
+tracing each stage's own joint took 9-13 s of a 0.85 B Llama's 35-42 s warm restart on 2 x H100
+(2026-11-27). A stage whose joint is not its pieces' (`NotStitchable`) is traced.
 """
 from __future__ import annotations
 
