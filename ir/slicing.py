@@ -86,9 +86,14 @@ def no_grad_values(g: Graph) -> set[Var]:
     binary_cross_entropy refuses a weight that requires grad)."""
     frozen = set(g.batch)
     for e in g.eqns:
-        if e.op == "aten.detach.default" or all(v in frozen or not v.aval.dtype.is_floating_point for v in e.inputs):
+        if e.op == "aten.detach.default" or all(v in frozen or not _differentiable(v) for v in e.inputs):
             frozen.update(e.out_vars)
     return frozen
+
+
+def _differentiable(v: Var) -> bool:
+    """A value a gradient can flow through: floating point or complex (an integer or bool value carries none)."""
+    return v.aval.dtype.is_floating_point or v.aval.dtype.is_complex
 
 
 def off_the_loss(g: Graph) -> set[Var]:
@@ -103,7 +108,7 @@ def off_the_loss(g: Graph) -> set[Var]:
         v = stack.pop()
         if v not in need:
             need.add(v)
-            if v in prod and v.aval.dtype.is_floating_point:
+            if v in prod and _differentiable(v):
                 stack.extend(g.eqns[prod[v]].inputs)
     return {v for e in g.eqns for v in e.out_vars if v not in need}
 

@@ -187,7 +187,8 @@ class CompileLog:
         """`compiler(graph, accumulate)`, its first call timed into this log (fx compiles nothing: not logged)."""
         if compiler is ir.compile_graph:
             return compiler(graph, accumulate)
-        key = (*program_key(graph, accumulate), cpp_wrapper()) if compiler is inductor else program_key(graph, accumulate)
+        key = program_key(graph, accumulate)
+        key = (*key, cpp_wrapper()) if compiler is inductor else key
         shared = key in _SHARED or key in self._seen
         self._seen.add(key)
         fn = compiler(graph, accumulate)
