@@ -113,7 +113,8 @@ rows against eager autograd on one device. peak: torch.cuda.max_memory_allocated
 eager or compiled blocks; fnpipe's compiler as asked:as run ("auto:inductor"). pred s: the planner's
 step time (plan.predicted_step_time, from op costs); prog s: the step predicted from its stage programs
 measured on the device before the first step (step.predicted_step_time: the plan's schedule simulated
-with their F/B/W seconds). pred GiB: each rank's peak replayed from its program, each compute counting
+with their F/B/W seconds, each rank's host issuing them at their launch times from an idle device and posting
+each transfer at its measured cost). pred GiB: each rank's peak replayed from its program, each compute counting
 the bytes its program was measured to make (step.memory(); no optimizer is held here); m/p = measured /
 predicted. Peaks are this row's: what earlier rows left allocated is taken off. 1st step s: parallelize
 (trace, plan, compile, measure the programs) plus the first step (PyTorch: building the stages). loss0:
@@ -169,7 +170,10 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
         pred, meas = r.get("predicted_peak_bytes"), r.get("peak_bytes")
         ratios = [m / p for m, p in zip(meas, pred)] if pred and meas else []
         ok = 0.9 <= x <= 1.1 and all(0.9 <= y <= 1.1 for y in ratios)
-        from_programs = "" if prog is None else f" (from the measured programs {prog:.3f}: {_verdict(0.9 <= prog <= 1.1)})"
+        bare = r["median_s"] / r["program_device_s"] if r.get("program_device_s") else None
+        host = "" if bare is None else f"; no host modelled {bare:.3f}"
+        from_programs = "" if prog is None else \
+            f" (from the measured programs {prog:.3f}: {_verdict(0.9 <= prog <= 1.1)}{host})"
         out.append(f"fnpipe {r['schedule']} {r['variant']}: measured / predicted s/step {x:.3f}{from_programs}, peak "
                    f"per rank {' / '.join(f'{y:.3f}' for y in ratios) or '-'} (goal 0.90-1.10): {_verdict(ok)}")
     for r in (r for r in rows if r.get("graph_pool_bytes") and r.get("predicted_pool_bytes")):

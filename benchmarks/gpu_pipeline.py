@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
@@ -205,6 +206,16 @@ def run_torch(b: Bench, schedule: str, *, compiled: bool) -> None:
           to_first_step_s=info["build_s"] + (res.first_s or 0.0), **info)
 
 
+def device_only(step: engine.Step) -> float | None:
+    """The step predicted from its measured programs with no host modelled (their launches and the posts
+    left out): what `step.predicted_step_time` was before the host track, to set beside it."""
+    from engine.execution.profile import Profile, predicted_step_time
+    if step.profile is None:
+        return None
+    bare = Profile(attrs.evolve(p, launch=None) for p in step.profile.programs)
+    return predicted_step_time(step.plan, step.table, step.programs.all(), bare)
+
+
 def predicted(step: engine.Step) -> dict[str, Any]:
     """fnpipe's predictions: the plan's step time, the step's from its measured programs, each rank's peak
     replayed from its program (with the measured programs' own bytes; no optimizer held here), the planner's
@@ -212,6 +223,7 @@ def predicted(step: engine.Step) -> dict[str, Any]:
     graphs' pool and what they keep (`footprint._Graphed`), each also apart."""
     plan, memory = step.plan, step.memory()
     return {"predicted_s": plan.predicted_step_time, "program_predicted_s": step.predicted_step_time,
+            "program_device_s": device_only(step), "posts_s": step.posts,
             "profile": [str(p) for p in step.profile.programs] if step.profile is not None else None,
             "against_plan": step.against_plan(),
             "predicted_bubble": plan.bubble_fraction,

@@ -258,7 +258,7 @@ def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..
     proposal is checked, so a hiccup errs towards the planner's cuts. A rank that fails while re-splitting
     tells the others (`_agreed`), and the running step is closed before the error is raised."""
     def propose() -> rebalancing.Rebalanced | None:
-        return rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan)
+        return rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan, posts=step.posts)
 
     try:
         first = _agreed(step, propose)

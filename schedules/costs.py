@@ -60,6 +60,13 @@ class Costs:
     ``memory_per_microbatch[s]`` from each F's start until its BW or W ends, plus
     ``memory_b_to_w[s]`` from each B's start until its W ends; with ``memory_after_b`` a microbatch
     holds that much from its B's end until its W ends (what W still reads).
+
+    The host (optional, all 0 by default): ``issue_forward`` / ``issue_backward_input`` /
+    ``issue_backward_weight`` are the seconds a rank's host takes to hand each compute to the device
+    (a launch-bound program's launches), ``issue_transfer[s]`` what posting one transfer of stage
+    ``s``'s output or grad costs it. With any of them set, each rank's host walks its row ahead of its
+    device: a compute starts no earlier than the host begins issuing it and ends no earlier than the
+    host has issued all of it (``execute``).
     """
 
     forward: PerIndex = attrs.field(
@@ -90,6 +97,10 @@ class Costs:
         converter=lambda v: None if v is None else _per_index(v),
         validator=attrs.validators.optional(_non_negative),
     )
+    issue_forward: PerIndex = attrs.field(default=0.0, converter=_per_index, validator=_non_negative)
+    issue_backward_input: PerIndex = attrs.field(default=0.0, converter=_per_index, validator=_non_negative)
+    issue_backward_weight: PerIndex = attrs.field(default=0.0, converter=_per_index, validator=_non_negative)
+    issue_transfer: PerIndex = attrs.field(default=0.0, converter=_per_index, validator=_non_negative)
 
     @classmethod
     def uniform(cls, f: float = 1.0, b: float = 1.0, w: float = 1.0, **others: object) -> Costs:
@@ -98,6 +109,22 @@ class Costs:
 
     def compute_time(self, action: Action) -> float:
         return _COMPUTE[action.kind](self, action.stage)
+
+    @property
+    def hosted(self) -> bool:
+        """Whether the host's own time is modelled (any ``issue_*`` above 0)."""
+        return any(v > 0 for name in _ISSUE_FIELDS for v in _values(getattr(self, name)))
+
+    def issue_time(self, action: Action) -> float:
+        """Host seconds to hand a compute to the device (B + W for BW), or to post a transfer of
+        ``action.stage``'s boundary for a send or receive."""
+        if action.is_compute:
+            return _ISSUE[action.kind](self, action.stage)
+        return _at(self.issue_transfer, action.boundary)  # type: ignore[arg-type]  # a comm's is set
+
+    def transfer_issue(self, boundary: int) -> float:
+        """Host seconds to post one transfer of stage ``boundary``'s output (or of the grad of it)."""
+        return _at(self.issue_transfer, boundary)
 
     def transfer_time(self, boundary: int) -> float:
         """Time to move stage ``boundary``'s output (or the grad of it) to the next rank."""
@@ -127,6 +154,13 @@ class Costs:
                 )
 
 
+def _values(value: PerIndex) -> tuple[float, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+_ISSUE_FIELDS = ("issue_forward", "issue_backward_input", "issue_backward_weight", "issue_transfer")
+
+
 def _backward_both(costs: Costs, stage: int) -> float:
     return _at(costs.backward_input, stage) + _at(costs.backward_weight, stage)
 
@@ -137,6 +171,14 @@ _COMPUTE: dict[str, Callable[[Costs, int], float]] = {
     W: lambda c, s: _at(c.backward_weight, s),
     BW: _backward_both,
 }
+
+_ISSUE: dict[str, Callable[[Costs, int], float]] = {
+    F: lambda c, s: _at(c.issue_forward, s),
+    B: lambda c, s: _at(c.issue_backward_input, s),
+    W: lambda c, s: _at(c.issue_backward_weight, s),
+    BW: lambda c, s: _at(c.issue_backward_input, s) + _at(c.issue_backward_weight, s),
+}
+
 
 def _between_b_and_w(costs: Costs, stage: int) -> float:
     """What a microbatch of ``stage`` holds from its B's end until its W ends."""

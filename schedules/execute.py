@@ -25,7 +25,8 @@ class Timing:
     end: list[float]
 
 
-def execute(ix: TableIndex, duration: Sequence[float], transfer: Sequence[float]) -> Timing:
+def execute(ix: TableIndex, duration: Sequence[float], transfer: Sequence[float],
+            issue: Sequence[float] | None = None, transfer_issue: Sequence[float] | None = None) -> Timing:
     """Run every rank's row in order, each action as soon as its inputs are there.
 
     ``duration[k]`` is the compute time of action id ``k``; ``transfer[s]`` is the time to move
@@ -36,8 +37,16 @@ def execute(ix: TableIndex, duration: Sequence[float], transfer: Sequence[float]
     Raises ScheduleError naming the waiting cycle when no rank can move. ``ix`` must have passed
     ``check_structure``: dependencies on the same rank then come earlier in the row, so the run
     waits only for inputs from other ranks, and each action is visited about once.
+
+    With ``issue`` (host seconds per action id: a compute's launches, a send's or receive's post)
+    and ``transfer_issue`` (per boundary stage: one post, where an unlowered table has no
+    communication actions: each receive before its compute, each send after), every rank also
+    has a host clock that walks its row and never waits for the device: a compute starts no
+    earlier than its host begins issuing it and ends no earlier than its host has issued it all,
+    and a group is posted no earlier than its host has posted it (``_HostedRun``).
     """
-    run = _Run(ix, duration, transfer)
+    hosted = issue is not None and (any(issue) or any(transfer_issue or ()))
+    run = _HostedRun(ix, duration, transfer, issue, transfer_issue) if hosted else _Run(ix, duration, transfer)
     queue = deque(range(len(ix.rows)))
     while queue:
         run.advance(queue.popleft(), queue)
@@ -137,6 +146,67 @@ class _Run:
                 queue.extend(waiters.pop(m))
             stop += 1
         return stop
+
+
+class _HostedRun(_Run):
+    """A run with each rank's host clock beside its device clock (see ``execute``)."""
+
+    def __init__(self, ix: TableIndex, duration: Sequence[float], transfer: Sequence[float],
+                 issue: Sequence[float] | None, transfer_issue: Sequence[float] | None):
+        super().__init__(ix, duration, transfer)
+        n, posts = len(ix.actions), transfer_issue or [0.0] * ix.table.num_stages
+        self.issue = list(issue) if issue is not None else [0.0] * n
+        self.before, self.after = [0.0] * n, [0.0] * n  # posts around a compute of an unlowered table
+        for consumer, producer in enumerate(self.waits_for):
+            if producer >= 0:
+                post = posts[self.crossed[consumer]]
+                self.before[consumer] += post
+                self.after[producer] += post
+        self.host = [0.0] * len(ix.rows)
+
+    def advance(self, r: int, queue: deque[int]) -> None:
+        row, partner, posted, end, start = self.ix.rows[r], self.partner, self.posted, self.end, self.start
+        pos, clock, host, size = self.pos[r], self.clock[r], self.host[r], len(row)
+        while pos < size:
+            k = row[pos]
+            if partner[k] >= 0:
+                stop = self.stops.get(k, -1)
+                if stop < 0:
+                    host += sum(self.issue[m] for m in row[pos:self._group_end(row, pos)])
+                    stop = self.stops[k] = self._post(row, pos, max(clock, host), queue)
+                    clock = max(clock, host)
+                done = clock
+                for m in row[pos:stop]:
+                    met = posted[partner[m]]
+                    if met < 0:
+                        break
+                    met = max(met, clock) + (self.transfer[self.ix.actions[m].boundary or 0] if self.delayed else 0.0)
+                    end[m] = met
+                    done = max(done, met)
+                else:
+                    pos, clock = stop, done
+                    continue
+                self._wait(r, partner[m])
+                break
+            d = self.waits_for[k]
+            if d >= 0 and end[d] < 0:
+                self._wait(r, d)
+                break
+            issued = host + self.before[k]  # the host posts the receive, then issues the compute
+            t = max(clock, issued) if d < 0 else max(clock, issued, end[d] + self.transfer[self.crossed[k]])
+            host = issued + self.issue[k]
+            start[k] = t
+            end[k] = clock = max(t + self.duration[k], host)
+            host += self.after[k]
+            pos += 1
+            if k in self.waiters:
+                queue.extend(self.waiters.pop(k))
+        self.pos[r], self.clock[r], self.host[r] = pos, clock, host
+
+    def _group_end(self, row: list[int], pos: int) -> int:
+        while pos < len(row) and self.partner[row[pos]] >= 0:
+            pos += 1
+        return pos
 
 
 def _deadlock_message(ix: TableIndex, run: _Run, stuck: list[int]) -> str:

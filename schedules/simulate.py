@@ -47,15 +47,22 @@ def simulate(table: Table, costs: Costs | None = None) -> Simulation:
 
     Unlowered tables pay the transfer time on every dependency between ranks; lowered tables
     follow the runtime: consecutive communication actions are one group posted together, each
-    send and receive completing when its partner is posted (rendezvous). Raises ScheduleError
-    for an invalid table (see ``validate``) or a deadlock, naming the ranks that wait on each other.
+    send and receive completing when its partner is posted (rendezvous). Costs with host times
+    (``Costs.issue_*``) give each rank a host that issues its row ahead of its device (``execute``).
+    Raises ScheduleError for an invalid table (see ``validate``) or a deadlock, naming the ranks
+    that wait on each other.
     """
     costs = Costs() if costs is None else costs
     costs.check(table.num_stages, table.num_ranks)
     index = check_structure(table)
     duration = [costs.compute_time(a) if a.is_compute else 0.0 for a in index.actions]
     transfer = [costs.transfer_time(s) for s in range(table.num_stages)]
-    timing = _execute(index, duration, transfer)
+    if costs.hosted:
+        issue = [costs.issue_time(a) for a in index.actions]
+        posts = [costs.transfer_issue(s) for s in range(table.num_stages)]
+        timing = _execute(index, duration, transfer, issue, posts)
+    else:
+        timing = _execute(index, duration, transfer)
     makespan = max([0.0, *timing.end])
     busy = tuple(sum(duration[k] for k in row) for row in index.rows)
     idle = tuple(makespan - b for b in busy)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -35,14 +36,16 @@ KIND = {"forward": "F", "backward_input": "B", "backward_weight": "W", "backward
 
 @attrs.frozen
 class ProgramCost:
-    """One stage program measured on its rank's device: `seconds` a run (`in_turn`), and the
-    most bytes it held beyond its inputs during a run (None where the device keeps no allocator count)."""
+    """One stage program measured on its rank's device: `seconds` a run (`in_turn`), the most bytes it held
+    beyond its inputs during a run (None where the device keeps no allocator count), and `launch`, the host's
+    seconds to hand a run to an idle device (`launch_seconds`; None off CUDA, where the host runs it)."""
 
     stage: int
     kind: str
     accumulate: tuple[int, ...] = attrs.field(converter=tuple)
     seconds: float
     peak_bytes: int | None
+    launch: float | None = None
 
     @property
     def key(self) -> Key:
@@ -51,7 +54,8 @@ class ProgramCost:
     def __str__(self) -> str:
         made = "" if self.peak_bytes is None else f", makes {nbytes(self.peak_bytes)}"
         acc = f" (+{len(self.accumulate)} grads)" if self.accumulate else ""
-        return f"{KIND[self.kind]}{self.stage}{acc}: {self.seconds * 1e3:.2f} ms{made}"
+        launch = "" if self.launch is None else f", launched in {self.launch * 1e3:.2f} ms"
+        return f"{KIND[self.kind]}{self.stage}{acc}: {self.seconds * 1e3:.2f} ms{made}{launch}"
 
 
 @attrs.frozen
@@ -93,11 +97,31 @@ def measure(runs: Sequence[tuple[Key, Run]], device: torch.device, *, reps: int 
             ) -> tuple[ProgramCost, ...]:
     """Each program of `runs` (one stage's, already run once: compiled, kernels loaded) run again under the
     allocator's peak counter, then all of them timed in turn (`in_turn`) after `settle` seconds of them back to
-    back (`engine.planning.calibration.settle_seconds`), each named by `program_label`."""
+    back (`engine.planning.calibration.settle_seconds`), each named by `program_label`, and on CUDA each one's
+    launch from an idle device (`launch_seconds`)."""
     made = [_bytes_made(run, device) for _, run in runs]
     seconds = in_turn([_named(program_label(key), run) for key, run in runs], Clock(device), reps,
                       between=cold_cache(device) if cold() else None, settle=settle)
-    return tuple(ProgramCost(*key, seconds=t, peak_bytes=b) for (key, _), t, b in zip(runs, seconds, made))
+    launches = [launch_seconds(run, device, reps) for _, run in runs]
+    return tuple(ProgramCost(*key, seconds=t, peak_bytes=b, launch=h)
+                 for (key, _), t, b, h in zip(runs, seconds, made, launches))
+
+
+def launch_seconds(run: Run, device: torch.device, reps: int = 3) -> float | None:
+    """The host's seconds to issue `run` to an idle device, the median of `reps` (each after a sync, its
+    outputs dropped at once); None off CUDA. A program whose launches take about what its kernels do bounds a
+    step by its host, not its device (`schedules.Costs.issue_forward`)."""
+    if device.type != "cuda":
+        return None
+    seconds = []
+    for _ in range(max(1, reps)):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        outs = run()
+        seconds.append(time.perf_counter() - start)
+        del outs
+    torch.cuda.synchronize(device)
+    return statistics.median(seconds)
 
 
 def _named(label: str, run: Run) -> Run:
@@ -177,19 +201,20 @@ def gather(mine: Sequence[ProgramCost], all_gather_json: Callable[[Any], list[An
 
 
 # -- the step predicted from the measured programs ------------------------------------------------------
-def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int
+def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int, field: str = "seconds"
                   ) -> tuple[list[float], list[float], list[float]] | None:
-    """Per stage, the mean measured seconds of its F, B and W over the instructions that run them; None if
-    any program that runs was not measured. The simulator costs a BW action as B + W: a stage that runs
-    B and W apart gives those (its fused BW actions, if the order also has some, cost their sum; a first
-    stage may run W alone, with no input grad to make); a stage that only runs fused BW gives it as B,
-    with W 0."""
+    """Per stage, the mean measured seconds (`field` of ProgramCost: "seconds", or "launch" for the host's) of
+    its F, B and W over the instructions that run them; None if any program that runs was not measured (or
+    has no such number). The simulator costs a BW action as B + W: a stage that runs B and W apart gives
+    those (its fused BW actions, if the order also has some, cost their sum; a first stage may run W alone,
+    with no input grad to make); a stage that only runs fused BW gives it as B, with W 0."""
     sums: dict[tuple[int, str], list[float]] = {}
     for ins in (i for p in programs for i in p.instrs if i.kind in KIND):
         found = profile.of((ins.stage, ins.kind, ins.accumulated()))
-        if found is None:
+        value = None if found is None else getattr(found, field)
+        if value is None:
             return None
-        sums.setdefault((ins.stage, KIND[ins.kind]), []).append(found.seconds)
+        sums.setdefault((ins.stage, KIND[ins.kind]), []).append(value)
     mean = {k: sum(v) / len(v) for k, v in sums.items()}
     f = [mean.get((s, "F"), 0.0) for s in range(num_stages)]
     split = [(s, "B") in mean or (s, "W") in mean for s in range(num_stages)]  # stage 0 may need no B at all
@@ -199,9 +224,9 @@ def stage_seconds(profile: Profile, programs: Sequence[Program], num_stages: int
 
 
 def faster_of(a: Profile, b: Profile) -> Profile:
-    """Two measurements of the same programs as one: per program the smaller seconds (a hiccup of a shared
-    device, another process's compile, only ever adds time) and the larger bytes; a program measured in one
-    only is kept as it is."""
+    """Two measurements of the same programs as one: per program the smaller seconds and launch (a hiccup of a
+    shared device or host, another process's compile, only ever adds time) and the larger bytes; a program
+    measured in one only is kept as it is."""
     merged = {p.key: p for p in a.programs}
     for p in b.programs:
         q = merged.get(p.key)
@@ -209,7 +234,9 @@ def faster_of(a: Profile, b: Profile) -> Profile:
             merged[p.key] = p
             continue
         peaks = [x for x in (p.peak_bytes, q.peak_bytes) if x is not None]
-        merged[p.key] = attrs.evolve(q, seconds=min(p.seconds, q.seconds), peak_bytes=max(peaks) if peaks else None)
+        launches = [x for x in (p.launch, q.launch) if x is not None]
+        merged[p.key] = attrs.evolve(q, seconds=min(p.seconds, q.seconds), peak_bytes=max(peaks) if peaks else None,
+                                     launch=min(launches) if launches else None)
     return Profile(merged[k] for k in sorted(merged))
 
 
@@ -280,11 +307,14 @@ def _ratio(measured: float, planned: float) -> str:
 
 
 def predicted_step_time(plan: Plan, table: schedules.Table, programs: Sequence[Program],
-                        profile: Profile) -> float | None:
+                        profile: Profile, posts: Sequence[float | None] | None = None) -> float | None:
     """The plan's schedule simulated as the planner does (compute in each rank's order, a transfer on each
     edge between ranks over the plan's link) with the measured seconds of every stage's programs, plus the
     plan's data-parallel all-reduce. None for unequal replicas per stage (their routed rows are not
-    rebuilt here) or when a program that runs was not measured."""
+    rebuilt here) or when a program that runs was not measured. Where every program's launch was measured
+    (CUDA), each rank's host is simulated too (`host_costs`): it issues the programs and, given `posts`
+    (per world rank, `post_cost.post_seconds`), posts every transfer, never waiting for its device; a rank
+    whose host is slower than its device then follows its host."""
     if any(c != plan.replicas[0] for c in plan.replicas):
         return None
     times = stage_seconds(profile, programs, plan.num_stages)
@@ -294,8 +324,35 @@ def predicted_step_time(plan: Plan, table: schedules.Table, programs: Sequence[P
     link = get_link(plan.link or None, get_device(plan.device))
     costs = schedules.Costs(forward=tuple(f), backward_input=tuple(b), backward_weight=tuple(w),
                             comm_latency=link.latency, comm_bandwidth=link.bandwidth,
-                            activation_bytes=tuple(float(s.send_bytes) for s in plan.stages))
+                            activation_bytes=tuple(float(s.send_bytes) for s in plan.stages),
+                            **host_costs(profile, programs, plan.num_stages, posts))
     return schedules.simulate(compute_only(table), costs).makespan + plan.allreduce_time
+
+
+def host_costs(profile: Profile, programs: Sequence[Program], num_stages: int,
+               posts: Sequence[float | None] | None = None) -> dict[str, tuple[float, ...]]:
+    """`schedules.Costs`' host fields from the measured launches (each stage's mean, as `stage_seconds`) and
+    posts (a boundary's transfer costs the mean of the posts of the ranks on its two sides, each stage's
+    first rank); empty where a launch was not measured (off CUDA: the host runs the programs itself)."""
+    launches = stage_seconds(profile, programs, num_stages, "launch")
+    if launches is None:
+        return {}
+    f, b, w = launches
+    out = {"issue_forward": tuple(f), "issue_backward_input": tuple(b), "issue_backward_weight": tuple(w)}
+    if posts is None:
+        return out
+    rank_of: dict[int, int] = {}
+    for p in programs:
+        for ins in p.instrs:
+            if ins.kind in KIND:
+                rank_of.setdefault(ins.stage, p.rank)
+    known = [x for x in posts if x is not None]
+    if known and len(rank_of) == num_stages:
+        fill = statistics.mean(known)
+        post = [fill if x is None else x for x in posts]
+        out["issue_transfer"] = tuple((post[rank_of[s]] + post[rank_of[min(s + 1, num_stages - 1)]]) / 2
+                                      for s in range(num_stages))
+    return out
 
 
 def compute_only(table: schedules.Table) -> schedules.Table:

@@ -25,6 +25,7 @@ from .graphs import Graphs
 from .graphs import enabled as graphs_enabled
 from .inputs import Inputs
 from .loss_weights import loss_weights
+from .post_cost import post_seconds
 from .profile import Profile, against_plan, gather, predicted_step_time
 from .program import Program
 from .spans import Span, Tracer
@@ -83,6 +84,7 @@ class Step:
         transport.prepare(largest_receives(self.program, self.executor.layouts))  # collective: copy-engine rings
         self.closed = False
         self.profile: Profile | None = None  # the stage programs measured on the device (profile_programs)
+        self.posts: tuple[float | None, ...] | None = None  # per rank, host seconds to post a transfer (same)
         self.rebalanced: Any = None  # parallelize's re-split from the measured programs, if it made one
         self.forward: Callable | None = None  # the eval function step.evaluate runs by default
         self.evaluators: dict[Any, Any] = {}  # (eval function, input shapes) -> its forward-only program
@@ -197,7 +199,8 @@ class Step:
         batch's first microbatch for the batch operands. The programs are loaded (compiled) first and the
         ranks wait out each other's compiles (`load_programs`), then time theirs, so no rank times its
         programs beside another's compile. Afterwards `memory()` and `predicted_step_time` come from the
-        programs that run (`engine.execution.profile`). Each program keeps its fastest time over `passes`
+        programs that run (`engine.execution.profile`), each rank's host issuing them and posting its transfers
+        at what they cost it (`posts`: `post_cost.post_seconds`). Each program keeps its fastest time over `passes`
         passes over the rank's stages (`Executor.measure`). It resets the device's peak-memory counter
         (torch.cuda.reset_peak_memory_stats)."""
         mb = None
@@ -210,6 +213,8 @@ class Step:
         with self.setup.phase("measure"):
             self.profile = gather(self.executor.measure(self.local_stages, batch=mb, passes=passes),
                                   self.transport.all_gather_json)
+            self.posts = tuple(self.transport.all_gather_json(
+                post_seconds(self.transport, self.program, self.world.device)))
         return self.profile
 
     @property
@@ -219,7 +224,7 @@ class Step:
         for unequal replicas per stage. `plan.predicted_step_time` is the planner's, from op costs."""
         if self.profile is None:
             return None
-        return predicted_step_time(self.plan, self.table, self.programs.all(), self.profile)
+        return predicted_step_time(self.plan, self.table, self.programs.all(), self.profile, self.posts)
 
     def against_plan(self) -> str | None:
         """Per stage, the planner's F and B + W times beside the measured programs' (`profile_programs`), as a

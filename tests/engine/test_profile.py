@@ -149,6 +149,8 @@ def test_every_rank_measures_its_programs_and_gets_everyones() -> None:
         assert all(p.seconds > 0 and p.peak_bytes is None for p in prof.programs)
         assert {p.kind for p in prof.programs} == {"forward", "backward_input", "backward_weight"}
     assert all(0 < s.predicted_step_time < 10 for s in steps)
+    assert all(p.launch is None for prof in profiles for p in prof.programs)  # CPU: the host runs them
+    assert all(len(s.posts) == 2 and all(0 < x < 1 for x in s.posts) and s.posts == steps[0].posts for s in steps)
     assert all(s.memory() == steps[0].memory() for s in steps)
     got = run_steps(steps, params, (x, y))
     ref, ref_loss = torch.func.grad_and_value(fn)(params, x, y)
@@ -379,3 +381,60 @@ def test_executor_measures_every_stage_twice_and_keeps_the_faster_time(monkeypat
     first, second = step.local_stages
     assert {c.peak_bytes for c in costs if c.stage == first} == {stages + 1}  # the second pass's count
     assert {c.peak_bytes for c in costs if c.stage == second} == {2 * stages}
+
+
+def _launched(profile: Profile, share: float) -> Profile:
+    return Profile(attrs.evolve(p, launch=share * p.seconds) for p in profile.programs)
+
+
+@pytest.mark.parametrize("schedule,layout", [("1f1b", {}), ("zb-h1", {}), ("zbv", {})])
+def test_a_host_ahead_of_its_device_leaves_the_prediction_as_it_was(schedule: str, layout: dict) -> None:
+    """Launches half of each program's time, posts free: each rank's host keeps ahead, the step is the device's."""
+    planned = _planned(schedule, layout)
+    programs = [assemble(planned, r) for r in range(2)]
+    base = _plans_own_times(planned)
+    plain = predicted_step_time(planned.plan, planned.table, programs, base)
+    assert predicted_step_time(planned.plan, planned.table, programs, _launched(base, 0.5), (0.0, 0.0)) == plain
+
+
+@pytest.mark.parametrize("schedule,layout", [("1f1b", {}), ("zb-h1", {}), ("zbv", {})])
+def test_a_host_slower_than_its_device_sets_the_predicted_step(schedule: str, layout: dict) -> None:
+    """Launches three times each program's time: the step is at least the busiest host's launches and posts
+    (each transfer posted on both sides; a send after the rank's last compute holds no device back), and posts
+    only add time."""
+    planned = _planned(schedule, layout)
+    programs = [assemble(planned, r) for r in range(2)]
+    slow = _launched(_plans_own_times(planned), 3.0)
+    launched = [sum(slow.of((i.stage, i.kind, i.accumulated())).launch for i in p.instrs if i.kind in KIND)
+                for p in programs]
+    bare = predicted_step_time(planned.plan, planned.table, programs, slow)
+    assert bare >= max(launched) + planned.plan.allreduce_time
+    post = 0.1 * bare
+    posted = predicted_step_time(planned.plan, planned.table, programs, slow, (post, post))
+    transfers = [sum(len(i.comm) for i in p.instrs if i.kind == "comm") for p in programs]
+    assert posted >= max(h + post * (n - 1) for h, n in zip(launched, transfers)) - 1e-12
+    assert posted > bare
+
+
+def test_faster_of_two_measurements_keeps_each_programs_smaller_launch() -> None:
+    from engine.execution.profile import faster_of
+
+    a = Profile([ProgramCost(0, "forward", (), 2e-3, None, 1e-3), ProgramCost(1, "forward", (), 2e-3, None)])
+    b = Profile([ProgramCost(0, "forward", (), 3e-3, None, 5e-4), ProgramCost(1, "forward", (), 1e-3, None, 7e-4)])
+    assert [p.launch for p in faster_of(a, b).programs] == [5e-4, 7e-4]
+    assert Profile.from_json(faster_of(a, b).to_json()) == faster_of(a, b)
+
+
+def test_launches_are_timed_on_cuda_only() -> None:
+    from engine.execution.profile import launch_seconds
+
+    assert launch_seconds(lambda: torch.ones(3), torch.device("cpu")) is None
+
+
+def test_a_program_that_posts_nothing_has_no_post_cost() -> None:
+    from engine.execution.post_cost import pairs, post_seconds
+    from engine.execution.program import Program
+
+    assert post_seconds(None, Program(0, ()), torch.device("cpu")) is None  # type: ignore[arg-type]
+    planned = _planned("zbv", {})
+    assert pairs(assemble(planned, 0)) == [("recv", 1), ("send", 1)]

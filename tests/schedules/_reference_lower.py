@@ -28,8 +28,9 @@ __all__ = ["reference_execute", "reference_lower"]
 _UNSET = -1.0
 
 
-def reference_execute(ix: TableIndex, duration: Sequence[float],
-                      transfer: Sequence[float]) -> Timing:
+def reference_execute(ix: TableIndex, duration: Sequence[float], transfer: Sequence[float],
+                      issue: Sequence[float] | None = None,
+                      transfer_issue: Sequence[float] | None = None) -> Timing:
     """Run every rank's row in order, each action as soon as its inputs are there.
 
     ``duration[k]`` is the compute time of action id ``k``; ``transfer[s]`` is the time to move
@@ -38,8 +39,14 @@ def reference_execute(ix: TableIndex, duration: Sequence[float],
     A run of consecutive communication actions is one group posted together: it completes when
     every member's partner has been posted, each pair taking ``transfer`` from the later post.
     Raises ScheduleError naming the waiting cycle when no rank can move.
+
+    The host (``issue`` per action, ``transfer_issue`` per boundary): each rank's host clock
+    walks its row; before a compute it posts a receive for each input from another rank, then
+    issues the compute, then posts a send for each consumer on another rank; before a group it
+    posts every member. A compute starts no earlier than its issue starts and ends no earlier
+    than its issue ends; a group is posted at the later of the device's and the host's clocks.
     """
-    run = _Run(ix, duration, transfer)
+    run = _Run(ix, duration, transfer, issue, transfer_issue)
     queue = deque(range(len(ix.rows)))
     while queue:
         run.advance(queue.popleft(), queue)
@@ -50,8 +57,12 @@ def reference_execute(ix: TableIndex, duration: Sequence[float],
 
 
 class _Run:
-    def __init__(self, ix: TableIndex, duration: Sequence[float], transfer: Sequence[float]):
+    def __init__(self, ix: TableIndex, duration: Sequence[float], transfer: Sequence[float],
+                 issue: Sequence[float] | None = None, transfer_issue: Sequence[float] | None = None):
         n = len(ix.actions)
+        self.issue = list(issue or [0.0] * n)
+        self.transfer_issue = list(transfer_issue or [0.0] * ix.table.num_stages)
+        self.host = [0.0] * len(ix.rows)
         self.ix, self.duration, self.transfer = ix, duration, transfer
         self.deps = [ix.dependencies(k) if not ix.actions[k].is_comm else [] for k in range(n)]
         self.partner = [ix.partner(k) if ix.actions[k].is_comm else None for k in range(n)]
@@ -64,6 +75,11 @@ class _Run:
         self.waiters: dict[int, list[int]] = {}
         self.blocked: dict[int, int] = {}
         self.group_stop = [_group_stops(ix, row) for row in ix.rows]
+        self.sends = [0.0] * n  # host seconds of the sends posted after a compute (unlowered tables)
+        for deps in self.deps:
+            for d, boundary in deps or []:
+                if boundary != NO_BOUNDARY:
+                    self.sends[d] += self.transfer_issue[boundary]
 
     def advance(self, r: int, queue: deque[int]) -> None:
         row, comm = self.ix.rows[r], self.partner
@@ -86,15 +102,20 @@ class _Run:
         t = self.clock[r]
         deps = self.deps[k]
         assert deps is not None, "validation guarantees every dependency exists"
+        receives = 0.0
         for d, boundary in deps:
             ready = self.end[d]
             if ready < 0:
                 return self._wait(r, d)
             if boundary != NO_BOUNDARY:
                 ready += self.transfer[boundary]
+                receives += self.transfer_issue[boundary]
             t = max(t, ready)
+        issued = self.host[r] + receives
+        t = max(t, issued)
         self.start[k] = t
-        self.end[k] = self.clock[r] = t + self.duration[k]
+        self.end[k] = self.clock[r] = max(t + self.duration[k], issued + self.issue[k])
+        self.host[r] = issued + self.issue[k] + self.sends[k]
         self.pos[r] += 1
         self._wake(k, queue)
         return True
@@ -103,6 +124,8 @@ class _Run:
         row, pos = self.ix.rows[r], self.pos[r]
         members = row[pos:self.group_stop[r][pos]]
         if self.posted[k] < 0:
+            self.host[r] += sum(self.issue[m] for m in members)
+            self.clock[r] = max(self.clock[r], self.host[r])
             for m in members:
                 self.posted[m] = self.start[m] = self.clock[r]
                 self._wake(m, queue)
