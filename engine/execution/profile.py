@@ -307,14 +307,16 @@ def _ratio(measured: float, planned: float) -> str:
 
 
 def predicted_step_time(plan: Plan, table: schedules.Table, programs: Sequence[Program],
-                        profile: Profile, posts: Sequence[float | None] | None = None) -> float | None:
+                        profile: Profile, posts: Sequence[float | None] | None = None, *,
+                        replayed: bool = False) -> float | None:
     """The plan's schedule simulated as the planner does (compute in each rank's order, a transfer on each
     edge between ranks over the plan's link) with the measured seconds of every stage's programs, plus the
     plan's data-parallel all-reduce. None for unequal replicas per stage (their routed rows are not
     rebuilt here) or when a program that runs was not measured. Where every program's launch was measured
     (CUDA), each rank's host is simulated too (`host_costs`): it issues the programs and, given `posts`
     (per world rank, `post_cost.post_seconds`), posts every transfer, never waiting for its device; a rank
-    whose host is slower than its device then follows its host."""
+    whose host is slower than its device then follows its host. `replayed`: the computes replay CUDA graphs
+    (`engine.execution.graphs`), whose launch is a few microseconds: the host only posts."""
     if any(c != plan.replicas[0] for c in plan.replicas):
         return None
     times = stage_seconds(profile, programs, plan.num_stages)
@@ -325,19 +327,19 @@ def predicted_step_time(plan: Plan, table: schedules.Table, programs: Sequence[P
     costs = schedules.Costs(forward=tuple(f), backward_input=tuple(b), backward_weight=tuple(w),
                             comm_latency=link.latency, comm_bandwidth=link.bandwidth,
                             activation_bytes=tuple(float(s.send_bytes) for s in plan.stages),
-                            **host_costs(profile, programs, plan.num_stages, posts))
+                            **host_costs(profile, programs, plan.num_stages, posts, replayed=replayed))
     return schedules.simulate(compute_only(table), costs).makespan + plan.allreduce_time
 
 
 def host_costs(profile: Profile, programs: Sequence[Program], num_stages: int,
-               posts: Sequence[float | None] | None = None) -> dict[str, tuple[float, ...]]:
-    """`schedules.Costs`' host fields from the measured launches (each stage's mean, as `stage_seconds`) and
-    posts (a boundary's transfer costs the mean of the posts of the ranks on its two sides, each stage's
-    first rank); empty where a launch was not measured (off CUDA: the host runs the programs itself)."""
+               posts: Sequence[float | None] | None = None, *, replayed: bool = False) -> dict[str, tuple[float, ...]]:
+    """`schedules.Costs`' host fields from the measured launches (each stage's mean, as `stage_seconds`; none with
+    `replayed` graphs) and posts (a boundary's transfer costs the mean of the posts of the ranks on its two sides,
+    each stage's first rank); empty where a launch was not measured (off CUDA: the host runs the programs itself)."""
     launches = stage_seconds(profile, programs, num_stages, "launch")
     if launches is None:
         return {}
-    f, b, w = launches
+    f, b, w = ([0.0] * num_stages for _ in range(3)) if replayed else launches
     out = {"issue_forward": tuple(f), "issue_backward_input": tuple(b), "issue_backward_weight": tuple(w)}
     if posts is None:
         return out

@@ -213,8 +213,7 @@ class Step:
         with self.setup.phase("measure"):
             self.profile = gather(self.executor.measure(self.local_stages, batch=mb, passes=passes),
                                   self.transport.all_gather_json)
-            self.posts = tuple(self.transport.all_gather_json(
-                post_seconds(self.transport, self.program, self.world.device)))
+            self.posts = tuple(self.transport.all_gather_json(post_seconds(self.executor)))
         return self.profile
 
     @property
@@ -224,7 +223,8 @@ class Step:
         for unequal replicas per stage. `plan.predicted_step_time` is the planner's, from op costs."""
         if self.profile is None:
             return None
-        return predicted_step_time(self.plan, self.table, self.programs.all(), self.profile, self.posts)
+        return predicted_step_time(self.plan, self.table, self.programs.all(), self.profile, self.posts,
+                                   replayed=self.executor.graphs is not None)
 
     def against_plan(self) -> str | None:
         """Per stage, the planner's F and B + W times beside the measured programs' (`profile_programs`), as a

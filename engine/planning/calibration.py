@@ -77,6 +77,8 @@ class ProgramScale:
 
     forward: float = 1.0
     backward: float = 1.0
+    launch: tuple[float, float] | None = None  # the host's launch from an idle device over the run, forward's
+    # and backward's (CUDA; `Calibration.launches`)
 
 
 REGIONS_FORMAT = 4  # 2: B's and W's ratios measured apart (`regions._split_shares`), tables before it had one;
@@ -101,6 +103,10 @@ class Calibration:
     selected: str = "fx"  # the compiler `for_compiler` chose, whose region scales `region` gives
     # program digests of the microbatch graphs every op of whose training step is timed here (`calibrate_training`)
     covered: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    # compiler -> the host's seconds to launch its whole forward / backward program from an idle device over the
+    # program's seconds (CUDA only; measured with the program scales, so a table from before has none and its
+    # plans model no host): a ratio near 1 or above is a launch-bound program (`launch`)
+    launches: Mapping[str, tuple[float, float]] = attrs.field(factory=dict, converter=dict)
 
     @property
     def region(self) -> MeasuredScale | None:
@@ -108,12 +114,19 @@ class Calibration:
         return self.regions.get(self.selected)
 
     @property
+    def launch(self) -> tuple[float, float] | None:
+        """The selected compiler's launch ratios, forward's and backward's (None if not measured): the planner's
+        host issues a stage's programs in these shares of their times (`stage_costs.schedule_costs`)."""
+        return self.launches.get(self.selected)
+
+    @property
     def backward_ratio(self) -> float:
         """backward_scale / scale: what a backward op's scaled time is multiplied by beyond a forward op's."""
         return 1.0 if self.backward_scale is None or self.scale <= 0 else self.backward_scale / self.scale
 
     def with_scale(self, found: ProgramScale) -> Calibration:
-        return attrs.evolve(self, scale=found.forward, backward_scale=found.backward)
+        launches = dict(self.launches) if found.launch is None else {**self.launches, "fx": found.launch}
+        return attrs.evolve(self, scale=found.forward, backward_scale=found.backward, launches=launches)
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "times": dict(sorted(self.times.items())), "scale": self.scale,
@@ -121,7 +134,8 @@ class Calibration:
                            "compiled_backward": dict(sorted(self.compiled_backward.items())),
                            "regions": {k: [r.num_eqns, [attrs.astuple(x) for x in r.spans], r.batch, REGIONS_FORMAT]
                                        for k, r in sorted(self.regions.items())},
-                           "covered": sorted(self.covered)})
+                           "covered": sorted(self.covered),
+                           "launches": {k: list(v) for k, v in sorted(self.launches.items())}})
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
@@ -133,7 +147,8 @@ class Calibration:
                    {k: MeasuredScale(int(r[0]), [Span(*x) for x in r[1]], r[2])  # a scale without its graph's
                     for k, r in d.get("regions", {}).items()  # key, or of an older format: measured again
                     if len(r) == 4 and r[2] and r[3] == REGIONS_FORMAT},
-                   covered=tuple(d.get("covered", ())))
+                   covered=tuple(d.get("covered", ())),
+                   launches={k: (float(v[0]), float(v[1])) for k, v in d.get("launches", {}).items()})
 
     def for_compiler(self, name: str) -> Calibration:
         """The table as programs compiled by `name` run: its measured scales in place of fx's ("fx", or a
@@ -264,6 +279,7 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
         cal = cal.with_scale(program_scale(ad, g, dev, cal, inputs, repeats=repeats, compile_program=compile_program))
     scales = {} if fresh else dict(cal.compiled)
     backs = {} if fresh else dict(cal.compiled_backward)
+    launches = {k: v for k, v in cal.launches.items() if k == "fx" or not fresh}
     if any(name not in backs for name in compiled or {}):  # a fusing compiler's stages run the cheap level
         fused = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)), device=str(dev),
                                   constant_outputs=range(1, len(g.outputs)), recompute="cheap", joints=joints)
@@ -271,9 +287,18 @@ def calibrate_training(g: ir.Graph, device: str | torch.device = "cuda", *, repe
         if name not in backs:
             found = program_scale(fused, g, dev, cal, inputs, repeats=repeats, compile_program=compiler)
             scales[name], backs[name] = found.forward, found.backward
+            if found.launch is not None:
+                launches[name] = found.launch
             log.info("calibration: %s programs run %.3f x (forward) and %.3f x (backward) their ops' calibrated sum",
                      name, found.forward, found.backward)
-    return attrs.evolve(cal, compiled=scales, compiled_backward=backs, covered=sorted({*cal.covered, digest}))
+    return attrs.evolve(cal, compiled=scales, compiled_backward=backs, covered=sorted({*cal.covered, digest}),
+                        launches=launches)
+
+
+def _launch_bound_device(device: torch.device) -> bool:
+    """Whether programs on `device` are launched by a host that runs ahead of it (CUDA), so that a launch time
+    apart from the run's is measured (`ProgramScale.launch`)."""
+    return device.type == "cuda"
 
 
 def _complete(table: Calibration, digest: str, scaled: bool, compiled: Mapping[str, Any]) -> bool:
@@ -309,7 +334,12 @@ def program_scale(ad: ir.StageAD, g: ir.Graph, device: torch.device, cal: Calibr
         return ProgramScale()
     f_run, b_run, f_sum, b_sum = runs.forward, runs.backward, sums.forward, sums.backward
     whole = (f_run + b_run) / (f_sum + b_sum) if f_sum + b_sum > 0 else 1.0
-    return ProgramScale(f_run / f_sum if f_sum > 0 else whole, b_run / b_sum if b_sum > 0 else whole)
+    launch = None if runs.launch is None or f_run <= 0 or b_run <= 0 else \
+        (runs.launch[0] / f_run, runs.launch[1] / b_run)
+    if launch is not None:
+        log.info("calibration: the forward program launched from an idle device in %.2f x its run, the backward in "
+                 "%.2f x", *launch)
+    return ProgramScale(f_run / f_sum if f_sum > 0 else whole, b_run / b_sum if b_sum > 0 else whole, launch)
 
 
 @attrs.frozen
@@ -402,6 +432,7 @@ class ProgramRuns:
     outs: list[torch.Tensor] = attrs.field(eq=False, repr=False)
     backward_input: float | None = None
     backward_weight: float | None = None
+    launch: tuple[float, float] | None = None  # the forward's and fused backward's launch from an idle device (CUDA)
 
 
 def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
@@ -411,7 +442,8 @@ def program_seconds(ad: ir.StageAD, device: torch.device, inputs: Sequence[torch
     then W's, on the same forward's values), one after the other `repeats` times after WARM_ROUNDS untimed
     rounds and `settle_seconds` more, each timed on its own (CUDA events, or the host clock on CPU); the median
     round of each (program_scale asks for at least three); and the forward's outputs (`ad.out_slots`)."""
-    return Programs(ad, device, inputs, acc, param_grads, compile_program, split=split).timed(repeats)
+    programs = Programs(ad, device, inputs, acc, param_grads, compile_program, split=split)
+    return attrs.evolve(programs.timed(repeats), launch=programs.launched(repeats))
 
 
 class Programs:
@@ -463,6 +495,30 @@ class Programs:
                  _ms(gaps[0::every]), _ms(gaps[1::every]),
                  f", B {_ms(gaps[2::every])} ms, W {_ms(gaps[3::every])} ms" if self.split else "")
         return ProgramRuns(medians[0], medians[1], [self.slots[i] for i in self.ad.out_slots], *medians[2:])
+
+    def launched(self, repeats: int) -> tuple[float, float] | None:
+        """The host's seconds to launch the forward and then the fused backward from an idle device (the median of
+        `repeats`, each after a sync); None off CUDA (`_launch_bound_device`)."""
+        if not _launch_bound_device(self.device):
+            return None
+        slots, fwd = self.slots, self.ad.forward
+        run_b, bwd, sums = self.parts[0]
+        forward, backward = [], []
+        for _ in range(max(1, repeats)):
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            outs = self.run_f(*[slots[i] for i in fwd.in_slots])
+            forward.append(time.perf_counter() - start)
+            slots.update(zip(fwd.out_slots, outs))
+            del outs
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            outs = run_b(*[slots[i] for i in bwd.in_slots], *sums)
+            backward.append(time.perf_counter() - start)
+            slots.update(zip(bwd.out_slots, outs))
+            del outs
+        torch.cuda.synchronize(self.device)
+        return statistics.median(forward), statistics.median(backward)
 
 
 def _ms(seconds: Sequence[float]) -> str:

@@ -248,16 +248,23 @@ def mostly_split(table: schedules.Table) -> bool:
 
 def schedule_costs(stages: Sequence[StageCost], table: schedules.Table, model: CostModel,
                    memory: MemoryModel) -> schedules.Costs:
-    """The simulator's view of these stages: times, transfer bytes, and memory per rank."""
+    """The simulator's view of these stages: times, transfer bytes, memory per rank, and the host's launches
+    where the calibration measured them (`Calibration.launch`: each program issued in that share of its time,
+    so a launch-bound stage's host is what its rank follows)."""
     mems = [s.memory(memory, split_bw=splits_bw(table)) for s in stages]
     static = tuple(rank_static(table, mems, r) for r in range(table.num_ranks))
+    launch = model.calibration.launch if model.calibration is not None else None
+    host = {} if launch is None else {
+        "issue_forward": tuple(launch[0] * s.forward for s in stages),
+        "issue_backward_input": tuple(launch[1] * s.backward_input for s in stages),
+        "issue_backward_weight": tuple(launch[1] * s.backward_weight for s in stages)}
     return schedules.Costs(
         forward=tuple(s.forward for s in stages), backward_input=tuple(s.backward_input for s in stages),
         backward_weight=tuple(s.backward_weight for s in stages), comm_latency=model.link.latency,
         comm_bandwidth=model.link.bandwidth, activation_bytes=tuple(float(s.send_bytes) for s in stages),
         memory_per_microbatch=tuple(m.per_microbatch for m in mems),
         memory_b_to_w=tuple(m.b_to_w for m in mems), static_memory=static,
-        memory_after_b=tuple(m.between_b_and_w for m in mems))
+        memory_after_b=tuple(m.between_b_and_w for m in mems), **host)
 
 
 # -- activation recomputation per stage ------------------------------------------------------------------

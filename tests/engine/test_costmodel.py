@@ -323,3 +323,69 @@ def test_a_program_too_large_for_the_device_leaves_the_scale_at_one(monkeypatch)
     ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)))
     inputs = [*params["layers"], x]
     assert calibrate_module.program_scale(ad, g, torch.device("cpu"), cal, inputs) == calibrate_module.ProgramScale()
+
+
+def _as_if_on_cuda(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The launch measurement's CUDA-only parts run on the CPU: its device counts as launch-bound, syncs are no-ops."""
+    from engine.planning import calibration as calmod
+
+    monkeypatch.setattr(calmod, "_launch_bound_device", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_launch_ratios_are_measured_per_compiler_saved_and_selected(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a device whose host runs ahead (CUDA), the whole forward and backward programs are also launched from an
+    idle device: launch / run per compiler, kept in the table and given by `for_compiler(name).launch`; a table
+    from before them stays as it is (its plans model no host: measuring would compile the whole model again)."""
+    from engine.planning import calibration as calmod
+
+    _as_if_on_cuda(monkeypatch)
+    params = {"layers": [torch.randn(64, 64) for _ in range(3)]}
+    x = torch.randn(32, 64)
+    g, inputs = _graph(_mlp, params, x), [*params["layers"], x]
+    cal = calmod.calibrate_training(g, "cpu", repeats=3, inputs=inputs, compiled={"fx2": ir.compile_graph})
+    assert set(cal.launches) == {"fx", "fx2"}
+    assert all(0.05 < r < 50 for pair in cal.launches.values() for r in pair)  # on CPU the launch is the run
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert Calibration.load(path) == cal
+    assert cal.for_compiler("fx2").launch == cal.launches["fx2"] and cal.for_compiler("fx").launch == cal.launches["fx"]
+    again = calmod.calibrate_training(g, "cpu", calibration=cal, inputs=inputs, compiled={"fx2": ir.compile_graph})
+    assert again is cal
+    older = attrs.evolve(cal, launches={})
+    assert calmod.calibrate_training(g, "cpu", calibration=older, inputs=inputs, compiled={"fx2": ir.compile_graph}) \
+        is older and older.for_compiler("fx2").launch is None
+
+
+def test_no_launch_is_measured_where_the_host_runs_the_program() -> None:
+    from engine.planning import calibration as calmod
+
+    params = {"layers": [torch.randn(16, 16) for _ in range(2)]}
+    x = torch.randn(8, 16)
+    g = _graph(_mlp, params, x)
+    cal = calmod.calibrate_training(g, "cpu", repeats=2, inputs=[*params["layers"], x])
+    assert cal.launches == {} and cal.launch is None
+    assert calmod._complete(cal, ir.program_digest(g), True, {})
+
+
+def test_the_planners_host_follows_the_calibrated_launch_ratios() -> None:
+    """Programs launched in half their time: the planner's prediction is the device's. Launched in three times their
+    time: each rank follows its host, the step at least the busiest rank's launches."""
+    from engine.planning.search import search
+    from tests.engine.test_footprint import _mlp as mlp
+
+    fn, params, x, y = mlp()
+    base = search(fn, params, x, y, world_size=2, schedule="1f1b", microbatches=4, device="cpu")
+    cal = Calibration("cpu", {})
+
+    def planned(launch):  # type: ignore[no-untyped-def]
+        table = attrs.evolve(cal, launches={"fx": launch})
+        return search(fn, params, x, y, world_size=2, schedule="1f1b", microbatches=4, device="cpu",
+                      cuts=base.plan.cuts, calibration=table).plan
+
+    plain = search(fn, params, x, y, world_size=2, schedule="1f1b", microbatches=4, device="cpu",
+                   cuts=base.plan.cuts, calibration=cal).plan
+    assert planned((0.5, 0.5)).predicted_step_time == pytest.approx(plain.predicted_step_time, rel=1e-12)
+    slow = planned((3.0, 3.0))
+    busiest = max(4 * 3.0 * (s.forward_time + s.backward_input_time + s.backward_weight_time) for s in slow.stages)
+    assert slow.predicted_step_time >= busiest * (1 - 1e-9) > plain.predicted_step_time

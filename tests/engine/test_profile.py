@@ -432,9 +432,25 @@ def test_launches_are_timed_on_cuda_only() -> None:
 
 
 def test_a_program_that_posts_nothing_has_no_post_cost() -> None:
-    from engine.execution.post_cost import pairs, post_seconds
+    from engine.execution.post_cost import first_transfers, post_seconds
     from engine.execution.program import Program
 
-    assert post_seconds(None, Program(0, ()), torch.device("cpu")) is None  # type: ignore[arg-type]
+    class Bare:
+        program = Program(0, ())
+
+    assert post_seconds(Bare()) is None
     planned = _planned("zbv", {})
-    assert pairs(assemble(planned, 0)) == [("recv", 1), ("send", 1)]
+    got = first_transfers(assemble(planned, 0))
+    assert [(c.op, c.what, c.stage, c.peer) for g in got for c in g] == [
+        ("send", "act", 0, 1), ("recv", "act", 3, 1), ("send", "grad", 3, 1), ("recv", "grad", 0, 1)]
+
+
+def test_replayed_graphs_launch_nothing_but_the_host_still_posts() -> None:
+    """With CUDA graphs a compute's launch is a replay (microseconds): slow launches are left out, posts are not."""
+    planned = _planned("zb-h1", {})
+    programs = [assemble(planned, r) for r in range(2)]
+    base = _plans_own_times(planned)
+    plain = predicted_step_time(planned.plan, planned.table, programs, base)
+    slow = _launched(base, 3.0)
+    assert predicted_step_time(planned.plan, planned.table, programs, slow, replayed=True) == plain
+    assert predicted_step_time(planned.plan, planned.table, programs, slow, (plain, plain), replayed=True) > plain
