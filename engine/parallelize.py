@@ -21,6 +21,8 @@ from .errors import PlanError, RuntimeMismatchError, require_function
 from .execution import launch
 from .execution import rebalance as rebalancing
 from .execution.compilers import resolve, use_cache_dir
+from .execution.graphs import enabled as graphs_enabled
+from .execution.post_cost import faster_posts
 from .execution.profile import faster_of
 from .execution.executor import COMPILERS, Hook, check_compiler
 from .execution.inputs import check_mode
@@ -28,6 +30,7 @@ from .execution.step import Step, connect, microbatch_example
 from .execution.transport import compile_wait
 from .planning import cache as plancache
 from .planning.artifacts import Planned, Workshop, lowered_table, planned_from
+from .planning.calibration import Calibration
 from .planning.candidates import batch_size_of
 from .planning.recipe import Recipe, recipe_of
 from .planning.replicas import requested as requested_replicas
@@ -188,9 +191,10 @@ def parallelize(loss_fn: Callable, params: Any, *example_batch: Any, schedule: s
 
     def measure_again(s: Step) -> None:
         """`s`'s programs measured once more, each keeping the faster of its two times (a collective)."""
-        once = s.profile
+        once, posted = s.profile, s.posts
         s.profile_programs(*example_batch)
         s.profile = faster_of(once, s.profile)  # every rank merges the same two gathered profiles
+        s.posts = faster_posts(posted, s.posts)
 
     if rebalance == "step":
         if not rebalancing.runnable(example_batch):
@@ -258,7 +262,8 @@ def _rebalanced(step: Step, replan: Callable[..., Planned], started: Callable[..
     proposal is checked, so a hiccup errs towards the planner's cuts. A rank that fails while re-splitting
     tells the others (`_agreed`), and the running step is closed before the error is raised."""
     def propose() -> rebalancing.Rebalanced | None:
-        return rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan, posts=step.posts)
+        return rebalancing.rebalance(step.planned, step.programs.all(), step.profile, replan, posts=step.posts,
+                                     replayed=step.replays_graphs)
 
     try:
         first = _agreed(step, propose)
@@ -390,10 +395,17 @@ def _planned(world: launch.World, workshop: Workshop, loss_fn: Callable, params:
         with _tracing(clock, "calibration", workshop):
             table = calibration(world, workshop, calibrate, microbatches=options["microbatches"], dp=options["dp"],
                                 compiler=compiler, timeout=timeout)
-        options["calibration"] = table.for_compiler(compiler)
+        options["calibration"] = costed_as_run(table, compiler, world.device)
     with _tracing(clock, "plan", workshop):
         return _plan(world, workshop, loss_fn, params, batch, schedule=schedule, build=build,
                      plan_cache=plan_cache, options=options)
+
+
+def costed_as_run(table: Calibration, compiler: str, device: torch.device) -> Calibration:
+    """The calibration the planner costs `compiler`'s programs with on `device`: its scales (`for_compiler`), and
+    its launch ratios unless the step replays CUDA graphs (the host then launches no program)."""
+    costed = table.for_compiler(compiler)
+    return attrs.evolve(costed, launches={}) if graphs_enabled(device) else costed
 
 
 @contextmanager

@@ -43,7 +43,8 @@ def execute(ix: TableIndex, duration: Sequence[float], transfer: Sequence[float]
     communication actions: each receive before its compute, each send after), every rank also
     has a host clock that walks its row and never waits for the device: a compute starts no
     earlier than its host begins issuing it and ends no earlier than its host has issued it all,
-    and a group is posted no earlier than its host has posted it (``_HostedRun``).
+    an input from another rank leaves once its producer's host has posted the send, and a group is
+    posted no earlier than its host has posted it (``_HostedRun``).
     """
     hosted = issue is not None and (any(issue) or any(transfer_issue or ()))
     run = _HostedRun(ix, duration, transfer, issue, transfer_issue) if hosted else _Run(ix, duration, transfer)
@@ -163,6 +164,7 @@ class _HostedRun(_Run):
                 self.before[consumer] += post
                 self.after[producer] += post
         self.host = [0.0] * len(ix.rows)
+        self.sent = [0.0] * n  # when a compute's host had posted its sends (unlowered tables)
 
     def advance(self, r: int, queue: deque[int]) -> None:
         row, partner, posted, end, start = self.ix.rows[r], self.partner, self.posted, self.end, self.start
@@ -193,11 +195,15 @@ class _HostedRun(_Run):
                 self._wait(r, d)
                 break
             issued = host + self.before[k]  # the host posts the receive, then issues the compute
-            t = max(clock, issued) if d < 0 else max(clock, issued, end[d] + self.transfer[self.crossed[k]])
+            if d < 0:
+                t = max(clock, issued)
+            else:  # the data leaves once it is made and its host has posted the send
+                t = max(clock, issued, max(end[d], self.sent[d]) + self.transfer[self.crossed[k]])
             host = issued + self.issue[k]
             start[k] = t
             end[k] = clock = max(t + self.duration[k], host)
             host += self.after[k]
+            self.sent[k] = host
             pos += 1
             if k in self.waiters:
                 queue.extend(self.waiters.pop(k))

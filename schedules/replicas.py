@@ -228,14 +228,16 @@ def simulate_replicated(table: Table, replicas: Replicas, costs: Costs | None = 
                         rows: Sequence[Sequence[Action]] | None = None) -> RoutedRun:
     """Run each rank's compute actions (`rows`, default `replicas.rows(table)`) in order, each as soon as its
     inputs are there, paying the transfer time on every dependency between ranks (as ``simulate`` does for
-    unlowered tables; with one replica everywhere and no `rows` it is that run). ScheduleError when the
-    rows cannot finish."""
+    unlowered tables; with one replica everywhere and no `rows` it is that run, host included: costs with
+    ``issue_*`` give each rank a host that walks its row ahead of its device, as ``execute`` does). ScheduleError
+    when the rows cannot finish."""
     costs = Costs() if costs is None else costs
     costs.check(table.num_stages, table.num_ranks)
     rows = [[a for a in row if a.is_compute] for row in (replicas.rows(table) if rows is None else rows)]
     end: dict[tuple[int, str, int], float] = {}
     waiters: dict[tuple[int, str, int], list[int]] = {}
     pos, clock = [0] * len(rows), [0.0] * len(rows)
+    host, sent, sends = [0.0] * len(rows), {}, _sends(table, rows, costs) if costs.hosted else {}
     queue = deque(range(len(rows)))
     while queue:
         r = queue.popleft()
@@ -246,10 +248,13 @@ def simulate_replicated(table: Table, replicas: Replicas, costs: Costs | None = 
             if missing is not None:
                 waiters.setdefault(missing, []).append(r)
                 break
-            ready = max([clock[r], *(end[(s, k, mb)] + (costs.transfer_time(x) if x >= 0 else 0.0)
-                                     for s, k, mb, x in deps)])
+            issued = host[r] + sum(costs.transfer_issue(x) for *_, x in deps if x >= 0)  # the receives' posts
+            ready = max([clock[r], issued, *(max(end[(s, k, mb)], sent.get((s, k, mb), 0.0)) + costs.transfer_time(x)
+                                             if x >= 0 else end[(s, k, mb)] for s, k, mb, x in deps)])
             key = (a.stage, B if a.kind == BW else a.kind, a.microbatch)
-            end[key] = clock[r] = ready + costs.compute_time(a)
+            host[r] = issued + costs.issue_time(a)
+            end[key] = clock[r] = max(ready + costs.compute_time(a), host[r])
+            host[r] = sent[key] = host[r] + sends.get(key, 0.0)
             pos[r] += 1
             queue.extend(waiters.pop(key, ()))
     stuck = [r for r, row in enumerate(rows) if pos[r] < len(row)]
@@ -257,6 +262,16 @@ def simulate_replicated(table: Table, replicas: Replicas, costs: Costs | None = 
         raise ScheduleError(f"the replicated rows {replicas} cannot finish: ranks {stuck} wait at "
                             f"{[str(rows[r][pos[r]]) for r in stuck]}; the table's order is not a valid schedule")
     return _run(table, replicas, rows, costs, max([0.0, *clock]))
+
+
+def _sends(table: Table, rows: list[list[Action]], costs: Costs) -> dict[tuple[int, str, int], float]:
+    """Host seconds each compute's sends take to post: one post per consumer on another rank."""
+    out: dict[tuple[int, str, int], float] = {}
+    for a in (a for row in rows for a in row):
+        for s, k, mb, x in _dependencies(table, a):
+            if x >= 0:
+                out[(s, k, mb)] = out.get((s, k, mb), 0.0) + costs.transfer_issue(x)
+    return out
 
 
 def _run(table: Table, replicas: Replicas, rows: list[list[Action]], costs: Costs, makespan: float) -> RoutedRun:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,6 +58,15 @@ def post_seconds(executor: Any, *, rounds: int = ROUNDS) -> float | None:
     if executor.device.type == "cuda":
         torch.cuda.synchronize(executor.device)
     return statistics.median(seconds[1:])
+
+
+def faster_posts(a: Sequence[float | None] | None, b: Sequence[float | None] | None) -> tuple[float | None, ...] | None:
+    """Two measurements of every rank's post as one, per rank the smaller (a hiccup only ever adds time), as
+    `profile.faster_of` merges the programs'; None where neither was measured."""
+    if a is None or b is None:
+        kept = b if a is None else a
+        return None if kept is None else tuple(kept)
+    return tuple(min((x for x in pair if x is not None), default=None) for pair in zip(a, b, strict=True))
 
 
 def _stand_ins(executor: Any, groups: list[tuple[CommOp, ...]]) -> None:

@@ -75,17 +75,18 @@ REPLAN_ERRORS = (PlanError, SplitError, schedules.ScheduleError)  # a re-split t
 
 
 def rebalance(planned: Planned, programs: Sequence[Program], profile: Profile, replan: Replan, *,
-              gain: float = REBALANCE_GAIN, posts: Sequence[float | None] | None = None) -> Rebalanced | None:
+              gain: float = REBALANCE_GAIN, posts: Sequence[float | None] | None = None,
+              replayed: bool = False) -> Rebalanced | None:
     """The same layout re-split under the measured scale, or None: nothing to re-split (one stage, unequal
     replicas, a program not measured), the same cuts, no split that fits, or new cuts less than `gain` faster
     than the running cuts, both costed under the scale by the fixed-cuts path (`Rebalanced.costed`). `posts`: each
-    rank's host seconds to post a transfer (`Step.posts`), so that the running cuts' time from their programs is
-    simulated as the re-split's will be (`Step.predicted_step_time`)."""
+    rank's host seconds to post a transfer (`Step.posts`) and `replayed` (`Step.replays_graphs`), so that the
+    running cuts' time from their programs is simulated as the re-split's will be (`Step.predicted_step_time`)."""
     plan = planned.plan
     if plan.num_stages == 1 or any(c != 1 for c in plan.replicas):
         return None
     scale = measured_scale(plan, programs, profile)
-    now = predicted_step_time(plan, planned.table, programs, profile, posts)
+    now = predicted_step_time(plan, planned.table, programs, profile, posts, replayed=replayed)
     if scale is None or now is None:
         log.info("rebalance: a program that runs was not measured; the planner's cuts stay")
         return None

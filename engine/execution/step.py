@@ -224,7 +224,14 @@ class Step:
         if self.profile is None:
             return None
         return predicted_step_time(self.plan, self.table, self.programs.all(), self.profile, self.posts,
-                                   replayed=self.executor.graphs is not None)
+                                   replayed=self.replays_graphs)
+
+    @property
+    def replays_graphs(self) -> bool:
+        """Whether the computes run as CUDA graphs (`engine.execution.graphs`; not once they have turned off):
+        the host then launches no program, it replays it."""
+        graphs = self.executor.graphs
+        return graphs is not None and graphs.state != "off"
 
     def against_plan(self) -> str | None:
         """Per stage, the planner's F and B + W times beside the measured programs' (`profile_programs`), as a

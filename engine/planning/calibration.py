@@ -125,7 +125,9 @@ class Calibration:
         return 1.0 if self.backward_scale is None or self.scale <= 0 else self.backward_scale / self.scale
 
     def with_scale(self, found: ProgramScale) -> Calibration:
-        launches = dict(self.launches) if found.launch is None else {**self.launches, "fx": found.launch}
+        launches = {k: v for k, v in self.launches.items() if k != "fx"}  # an older ratio is not this scale's
+        if found.launch is not None:
+            launches["fx"] = found.launch
         return attrs.evolve(self, scale=found.forward, backward_scale=found.backward, launches=launches)
 
     def to_json(self) -> str:

@@ -389,3 +389,26 @@ def test_the_planners_host_follows_the_calibrated_launch_ratios() -> None:
     slow = planned((3.0, 3.0))
     busiest = max(4 * 3.0 * (s.forward_time + s.backward_input_time + s.backward_weight_time) for s in slow.stages)
     assert slow.predicted_step_time >= busiest * (1 - 1e-9) > plain.predicted_step_time
+
+
+def test_a_new_scale_without_a_launch_drops_the_older_launch_ratio() -> None:
+    """fx's launch ratio belongs to the program scale it was measured with: a new scale measured without one (off
+    CUDA, or a program that could not run) leaves none, not the older one; other compilers' ratios stay."""
+    from engine.planning.calibration import ProgramScale
+
+    cal = Calibration("cuda", {}, launches={"fx": (1.2, 0.8), "inductor": (0.5, 0.4)})
+    assert cal.with_scale(ProgramScale(1.1, 1.3)).launches == {"inductor": (0.5, 0.4)}
+    assert cal.with_scale(ProgramScale(1.1, 1.3, (0.9, 0.7))).launches == {"fx": (0.9, 0.7), "inductor": (0.5, 0.4)}
+
+
+def test_with_cuda_graphs_the_planner_costs_no_launches(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import importlib
+
+    par = importlib.import_module("engine.parallelize")  # the module: `engine.parallelize` is also its function
+    cal = Calibration("cuda", {}, compiled={"inductor": 1.0}, compiled_backward={"inductor": 1.0},
+                      launches={"inductor": (1.5, 1.2)})
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(par, "graphs_enabled", lambda device: False)
+    assert par.costed_as_run(cal, "inductor", cuda).launch == (1.5, 1.2)
+    monkeypatch.setattr(par, "graphs_enabled", lambda device: True)
+    assert par.costed_as_run(cal, "inductor", cuda).launch is None

@@ -172,3 +172,8 @@ def test_many_small_mixed_values_match_torch_func_under_mpirun() -> None:
     assert "FAIL" not in out, out
     ok = set(re.findall(r"^OK rank (\d) (\S+) max rel err", out, flags=re.M))
     assert ok == {(str(r), s) for r in range(2) for s in job.SCHEDULES}, out
+    posts = re.findall(r"^OK rank (\d) (\S+) .* posts (\S+) (\S+)$", out, flags=re.M)
+    assert len(posts) == 2 * len(job.SCHEDULES), out  # every rank's post measured, the same on both ranks
+    for s in job.SCHEDULES:
+        mine = {p[2:] for p in posts if p[1] == s}
+        assert len(mine) == 1 and all(0 < float(t) < 1 for t in next(iter(mine))), out

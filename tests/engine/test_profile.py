@@ -454,3 +454,24 @@ def test_replayed_graphs_launch_nothing_but_the_host_still_posts() -> None:
     slow = _launched(base, 3.0)
     assert predicted_step_time(planned.plan, planned.table, programs, slow, replayed=True) == plain
     assert predicted_step_time(planned.plan, planned.table, programs, slow, (plain, plain), replayed=True) > plain
+
+
+def test_graphs_that_turned_off_launch_their_programs_again() -> None:
+    """A step replays graphs only while they are on: off (a failed capture), or none, its host launches."""
+    import types
+
+    fn, params, x, y = _mlp()
+    plan = engine.plan(fn, params, x, y, world_size=2, schedule="1f1b", microbatches=4)
+    step = build_steps(fn, params, (x, y), plan)[0]
+    assert not step.replays_graphs
+    for state, replays in (("warm", True), ("capture", True), ("replay", True), ("off", False)):
+        step.executor.graphs = types.SimpleNamespace(state=state)
+        assert step.replays_graphs is replays
+
+
+def test_two_measurements_of_the_posts_keep_each_ranks_smaller() -> None:
+    from engine.execution.post_cost import faster_posts
+
+    assert faster_posts((2e-4, None, 5e-4), (3e-4, 1e-4, None)) == (2e-4, 1e-4, 5e-4)
+    assert faster_posts(None, (1e-4,)) == (1e-4,) and faster_posts((1e-4,), None) == (1e-4,)
+    assert faster_posts(None, None) is None

@@ -236,3 +236,21 @@ def test_a_bad_rebalance_value_is_refused_before_planning() -> None:
     for bad in ("yes", 1, None):
         with pytest.raises(engine.PlanError, match=f"rebalance={bad!r}.*True.*False.*auto"):
             engine.parallelize(fn, params, x, y, rebalance=bad)
+
+
+def test_the_running_cuts_are_simulated_with_the_same_host_as_the_re_split() -> None:
+    """`before` (the running cuts from their programs) takes the posts and the graphs' replay the rebuilt step's
+    prediction takes: launches three times the programs' seconds count unless the computes replay graphs."""
+    planned = _search("1f1b", {})
+    last = planned.plan.num_stages - 1
+    programs = [assemble(planned, r) for r in range(2)]
+    slow = _slowed(planned, last, 3.0)
+    launched = Profile(attrs.evolve(p, launch=3 * p.seconds) for p in slow.programs)
+    posts = (1e-3, 1e-3)
+    for replayed in (False, True):
+        found = rebalance(planned, programs, launched, _replan("1f1b", {}), posts=posts, replayed=replayed)
+        assert found is not None
+        assert found.before == predicted_step_time(planned.plan, planned.table, programs, launched, posts,
+                                                   replayed=replayed)
+    assert predicted_step_time(planned.plan, planned.table, programs, launched, posts) > \
+        predicted_step_time(planned.plan, planned.table, programs, launched, posts, replayed=True)

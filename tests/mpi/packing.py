@@ -2,7 +2,8 @@
 
 Each layer emits an aux partial per dtype (a float64 column mean, a float32 scalar) and a bool mask and an
 int64 count that the head reads, so every cut carries one activation and a dozen small tensors: the packed
-transfers of engine/execution/packing.py. Run by tests/engine/test_packing.py as
+transfers of engine/execution/packing.py, each step after the start-up measurement whose post probe
+(engine/execution/post_cost.py) runs the executor's own comm handler on them. Run by tests/engine/test_packing.py as
 `mpirun -n 2 python tests/mpi/packing.py`; prints `OK ...` per schedule and rank, `FAIL ...` on a mismatch.
 """
 from __future__ import annotations
@@ -74,11 +75,14 @@ def main() -> int:
     failed = 0
     for schedule in SCHEDULES:
         step = engine.parallelize(loss_fn, params, x, y, compiler="fx", **plan_options(schedule))
+        step.profile_programs(x, y)  # the post probe runs the executor's comm handler on the packed transfers
         result, grads = step(step.shard(params), x, y)
         e64, e32 = errors(result, grads, reference)
         ok = e64 <= RTOL[torch.float64] and e32 <= RTOL[torch.float32]
         failed += not ok
-        print(f"{'OK' if ok else 'FAIL'} rank {world.rank} {schedule} max rel err {e64:.2e} f32 {e32:.2e}", flush=True)
+        posts = " ".join(f"{p:.3e}" for p in step.posts)
+        verdict = "OK" if ok else "FAIL"
+        print(f"{verdict} rank {world.rank} {schedule} max rel err {e64:.2e} f32 {e32:.2e} posts {posts}", flush=True)
         step.close()
     return 1 if failed else 0
 

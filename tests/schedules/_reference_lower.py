@@ -44,7 +44,9 @@ def reference_execute(ix: TableIndex, duration: Sequence[float], transfer: Seque
     walks its row; before a compute it posts a receive for each input from another rank, then
     issues the compute, then posts a send for each consumer on another rank; before a group it
     posts every member. A compute starts no earlier than its issue starts and ends no earlier
-    than its issue ends; a group is posted at the later of the device's and the host's clocks.
+    than its issue ends; an input from another rank leaves at the later of its producer's end and
+    the producer's host having posted its sends; a group is posted at the later of the device's
+    and the host's clocks.
     """
     run = _Run(ix, duration, transfer, issue, transfer_issue)
     queue = deque(range(len(ix.rows)))
@@ -76,6 +78,7 @@ class _Run:
         self.blocked: dict[int, int] = {}
         self.group_stop = [_group_stops(ix, row) for row in ix.rows]
         self.sends = [0.0] * n  # host seconds of the sends posted after a compute (unlowered tables)
+        self.sent = [0.0] * n  # the host's time once a compute's sends were posted
         for deps in self.deps:
             for d, boundary in deps or []:
                 if boundary != NO_BOUNDARY:
@@ -108,14 +111,14 @@ class _Run:
             if ready < 0:
                 return self._wait(r, d)
             if boundary != NO_BOUNDARY:
-                ready += self.transfer[boundary]
+                ready = max(ready, self.sent[d]) + self.transfer[boundary]
                 receives += self.transfer_issue[boundary]
             t = max(t, ready)
         issued = self.host[r] + receives
         t = max(t, issued)
         self.start[k] = t
         self.end[k] = self.clock[r] = max(t + self.duration[k], issued + self.issue[k])
-        self.host[r] = issued + self.issue[k] + self.sends[k]
+        self.host[r] = self.sent[k] = issued + self.issue[k] + self.sends[k]
         self.pos[r] += 1
         self._wake(k, queue)
         return True

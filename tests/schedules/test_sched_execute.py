@@ -77,16 +77,17 @@ def test_execute_with_a_host_equals_the_reference(case: tuple[str, int, int, dic
 
 def test_a_host_slower_than_its_device_sets_the_step() -> None:
     """Two stages, one microbatch, F = 1, BW = 2 on the device; the host takes 2 to issue each and 0.5 to post a
-    transfer. Rank 0 issues F0 until 2 (its device waits), posts the send; rank 1 posts its receive (0.5), runs
-    F0 at 2-3 (issued by 2.5), BW0 at 3-5, posts the grad's send; rank 0 posts its receive (2.5-3), issues BW0
-    (3-5) and runs it at 5-7: 7 against 6 with no host."""
+    transfer. Rank 0 issues F0 until 2 (its device waits) and posts the send until 2.5; rank 1 posts its receive
+    (0.5), runs F0 at 2.5-3.5 (the data leaves once the send is posted), issues BW0 (2.5-4.5), runs it at 3.5-5.5
+    and posts the grad's send (4.5-5); rank 0 posts its receive (2.5-3), issues BW0 (3-5) and runs it at 5.5-7.5:
+    7.5 against 6 with no host."""
     table = schedules.gpipe(2, 1)
     host = Costs(forward=1, backward_input=1, backward_weight=1, issue_forward=2, issue_backward_input=1,
                  issue_backward_weight=1, issue_transfer=0.5)
     sim = schedules.simulate(table, host)
-    assert sim.makespan == 7.0
+    assert sim.makespan == 7.5
     assert [(str(a), sim.start[a], sim.end[a]) for row in table.rows for a in row] == [
-        ("0F0", 0.0, 2.0), ("0BW0", 5.0, 7.0), ("1F0", 2.0, 3.0), ("1BW0", 3.0, 5.0)]
+        ("0F0", 0.0, 2.0), ("0BW0", 5.5, 7.5), ("1F0", 2.5, 3.5), ("1BW0", 3.5, 5.5)]
     assert schedules.simulate(table, Costs(forward=1, backward_input=1, backward_weight=1)).makespan == 6.0
 
 

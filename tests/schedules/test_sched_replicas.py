@@ -69,6 +69,21 @@ def test_one_replica_everywhere_is_simulate_on_the_unlowered_table(name: str, p:
 
 
 @settings(max_examples=60)
+@given(name=st.sampled_from(sorted(SCHEDULES)), p=st.integers(2, 4), per=st.integers(1, 3),
+       f=st.floats(0.1, 3), issue=st.floats(0, 6), post=st.floats(0, 1), latency=st.floats(0, 1))
+def test_one_replica_everywhere_is_simulate_with_its_host_too(name: str, p: int, per: int, f: float, issue: float,
+                                                               post: float, latency: float) -> None:
+    """Each rank's host issuing its computes and posting its transfers: the replicated run with one replica per
+    stage is `simulate`'s, host-bound or not."""
+    table = _table(name, p, per * p)
+    costs = Costs(forward=f, backward_input=2 * f, backward_weight=f, comm_latency=latency, issue_forward=issue,
+                  issue_backward_input=issue / 2, issue_backward_weight=issue / 3, issue_transfer=post)
+    ref = simulate(table, costs)
+    run = simulate_replicated(table, Replicas((1,) * p), costs)
+    assert run.makespan == pytest.approx(ref.makespan, rel=1e-12)
+
+
+@settings(max_examples=60)
 @given(name=st.sampled_from(sorted(SCHEDULES)), counts=st.lists(st.integers(1, 3), min_size=2, max_size=4),
        rounds=st.integers(1, 2), order=st.sampled_from(ORDERS))
 def test_routed_rows_are_complete_fifo_and_deadlock_free(name: str, counts: list[int], rounds: int,
