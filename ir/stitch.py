@@ -185,15 +185,21 @@ def check_runs(joint: Graph, device: str | None = None) -> Graph:
     runtime gives a stage): NotStitchable if an op refuses. Each piece was traced on contiguous inputs and
     cotangents, but in the stage a piece may get a transposed view from the piece before (or its cotangent from
     the one after), and a traced `view` of it fails (a Hugging Face Llama's attention cut at its modules,
-    2026-11-27); the stage's own traced joint saw the real strides."""
+    2026-11-27); the stage's own traced joint saw the real strides. A joint for a device this machine lacks (a
+    plan for GPUs made on a CPU-only one) is checked on the meta device, whose kernels compute the same shapes
+    and strides, so it builds the programs the device's own machine builds."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from .device import available, device_type, retarget
     from .evaluate import interpret
 
+    target, runnable = device or "cpu", joint
+    if not available(target):
+        target, runnable = "meta", retarget(joint, device_type(target), "meta")
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            args = [torch.empty(tuple(v.aval.shape), dtype=v.aval.dtype, device=device or "cpu") for v in joint.inputs]
-            interpret(joint, args)
+            args = [torch.empty(tuple(v.aval.shape), dtype=v.aval.dtype, device=target) for v in runnable.inputs]
+            interpret(runnable, args)
     except Exception as err:  # noqa: BLE001 -- any refusal: the traced joint is the safe program
         raise NotStitchable(f"the stitched joint does not run on the stage's strides: {err}") from err
     return joint

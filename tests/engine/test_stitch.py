@@ -286,3 +286,16 @@ def test_values_only_a_comparison_reads_carry_no_grad_in_stitched_and_cut_stages
     for cuts in ([], [n // 2], [n // 3, 2 * n // 3]):
         assert_parallel_equivalent(_gated, params, x, y, cuts=cuts, stages=len(cuts) + 1, microbatches=2,
                                    rtol=1e-10, atol=1e-12)
+
+
+def test_a_joint_for_a_device_this_machine_lacks_is_checked_on_meta_tensors() -> None:
+    """A stitched joint traced for CUDA on a CPU-only machine (an offline tool building a GPU plan's programs) runs
+    its check on the meta device, as its GPU machine runs it on CUDA, instead of being refused for the device; the
+    meta kernels refuse a `view` of a transposed value as the device's do, so the check still finds that case."""
+    params = {"w": torch.empty(8, 8, device="meta")}
+    x = torch.empty(4, 8, device="meta")
+    joint = ir.trace(lambda p, x: torch.tanh(x @ p["w"]).t().sum(), params, x, device="cuda")
+    assert all(v.aval.device.startswith("cuda") for v in joint.inputs)
+    assert stitch.check_runs(joint, "cuda") is joint
+    with pytest.raises(RuntimeError, match="view"):
+        torch.empty(4, 3, device="meta").t().view(-1)
