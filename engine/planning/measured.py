@@ -86,6 +86,12 @@ class MeasuredScale:
             out[s.start:min(s.stop, num_eqns)] = [s.fused] * (min(s.stop, num_eqns) - s.start)
         return out
 
+    def columns(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Each equation's F, B, W and whole-backward ratio (1 outside every span)."""
+        ratios, fused = self.per_eqn(self.num_eqns), self.fused_per_eqn(self.num_eqns)
+        assert ratios is not None and fused is not None
+        return (*ratios, fused)
+
     def fused_of_range(self, times: Sequence[float], start: int, stop: int, num_eqns: int) -> float:
         """The whole-backward ratio of equations [start, stop), weighted as `of_range` weighs."""
         ratios = self.fused_per_eqn(num_eqns)
@@ -124,15 +130,17 @@ def combined(first: MeasuredScale | None, then: MeasuredScale | None) -> Measure
     if first.num_eqns != then.num_eqns:
         raise ValueError(f"scales of graphs of {first.num_eqns} and {then.num_eqns} equations do not combine")
     n = first.num_eqns
-    a, b = first.per_eqn(n), then.per_eqn(n)
-    fa, fb = first.fused_per_eqn(n), then.fused_per_eqn(n)
-    assert a is not None and b is not None and fa is not None and fb is not None
-    ratios = [(a[0][i] * b[0][i], a[1][i] * b[1][i], a[2][i] * b[2][i], fa[i] * fb[i]) for i in range(n)]
+    a, b = first.columns(), then.columns()
+    return MeasuredScale(n, spans_of([[x * y for x, y in zip(p, q)] for p, q in zip(a, b)]), first.batch or then.batch)
+
+
+def spans_of(columns: Sequence[Sequence[float]]) -> list[Span]:
+    """Spans of equal ratios from per-equation columns F, B, W and whole backward (`MeasuredScale.columns`)."""
     spans: list[Span] = []
-    for i, r in enumerate(ratios):
+    for i, r in enumerate(zip(*columns)):
         last = spans[-1] if spans else None
         if last is not None and (last.forward, last.backward_input, last.backward_weight, last.backward) == r:
             spans[-1] = attrs.evolve(last, stop=i + 1)
         else:
             spans.append(Span(i, i + 1, *r))
-    return MeasuredScale(n, spans, first.batch or then.batch)
+    return spans

@@ -28,11 +28,11 @@ import torch
 
 import ir
 
-from .artifacts import autodiff
 from .blocks import crossing_bytes, module_cuts
-from .calibration import (Calibration, ProgramCompiler, ProgramRuns, Programs, calibrate, ops_sums, signature,
-                          split_sums)
+from .calibration import Calibration, ProgramCompiler, signature
 from .measured import MeasuredScale, Span, batch_key
+from .pieces import piece_scale
+from .timed import timed_stages
 
 log = logging.getLogger("engine.calibrate")
 REGIONS = 4  # spans a model is timed in: each costs a compile of its forward and backward programs on rank 0
@@ -69,8 +69,10 @@ def with_regions(g: ir.Graph, device: torch.device, table: Calibration, inputs: 
     for name, compiler in compilers.items():
         if name in out:
             continue
-        found, table = region_scale(g, device, table, inputs, level=False if name == "fx" else "cheap",
-                                    compile_program=compiler)
+        level = False if name == "fx" else "cheap"
+        found, table = region_scale(g, device, table, inputs, level=level, compile_program=compiler)
+        if found is not None:  # each region's ratio spread over the kinds of block it holds
+            found, table = piece_scale(g, device, found, table, inputs, level=level, compile_program=compiler)
         out[name] = found if found is not None else MeasuredScale(len(g.eqns), (), batch_key(g))
     return attrs.evolve(table, regions=out)
 
@@ -95,125 +97,22 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
     cuts = region_cuts(times, regions, module_cuts(g, crossing_bytes(g)) or None)
     if not cuts or len(inputs) != len(g.inputs):
         return None, cal
-    values: dict[int, torch.Tensor] = {}  # crossing value id -> its tensor, from the region before
-    measured = []  # per region: (its stage, its ops' sums, its programs' seconds, its programs while held)
-    for stage in ir.split(g, cuts):
-        ad = autodiff(stage, level, device=str(device))  # as a plan's stage's programs are made
-        for part in (ad.forward, ad.backward, ad.backward_input, ad.backward_weight):
-            cal = calibrate(part.graph, device, calibration=cal)
-        sums = ops_sums(ad, stage.graph, cal)
-        if sums.missing:
-            log.warning("region scales not measured: %d of %d ops of equations %d:%d could not be timed alone",
-                        sums.missing, sums.ops, stage.start, stage.stop)
-            return None, cal
-        ins = [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)] + [values[v] for v in stage.acts_in]
-        try:
-            ran, programs = _held_timed(ad, device, ins, sums.accumulate, sums.param_grads, repeats,
-                                        compile_program, measured)
-        except RuntimeError as err:  # out of memory, a compiler's failure: the whole model's scale stands alone
-            log.warning("region scales not measured (equations %d:%d): %s: %s", stage.start, stage.stop,
-                        type(err).__name__, err)
-            return None, cal
-        values.update(zip(stage.acts_out, ran.outs))
-        measured.append((stage, ad, sums, ran, programs))
-        del programs  # held in `measured` alone: letting go there frees it
-    runs = []  # per region: (start, stop, forward sum, backward sum, forward seconds, backward seconds,
-    # B's and W's factors on the backward's ratio)
-    for (stage, ad, sums, first, _), again in zip(measured, _again([m[4] for m in measured], repeats)):
-        ran = _faster(first, again)
-        runs.append((stage.start, stage.stop, sums.forward, sums.backward, ran.forward, ran.backward,
-                     *_split_shares(ran, sums.backward, *split_sums(ad, cal, sums.param_grads, stage.graph))))
+
+    def flowing(stage: ir.Stage, values: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)] + [values[v] for v in stage.acts_in]
+
+    runs, cal = timed_stages(ir.split(g, cuts), device, cal, flowing, level=level, repeats=repeats,
+                             compile_program=compile_program, what="region scales")
+    if runs is None:
+        return None, cal
     found = MeasuredScale(len(g.eqns), _normalised(runs), batch_key(g))
     log.info("calibration: regions run %s their ops' calibrated sum, over the model's mean", found)
     return found, cal
 
 
-def _held_timed(ad: ir.StageAD, device: torch.device, ins: Sequence[torch.Tensor], acc: tuple[int, ...],
-                param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler,
-                measured: list[tuple]) -> tuple[ProgramRuns, Programs]:
-    """A region's programs timed with its backward split as well, and the programs, held for their second
-    timing (`_again`) beside the regions' before it. Where that leaves too little memory, the regions before are
-    let go (each keeps its first timing) and it is tried again; where the split programs still cannot run (they
-    hold a second set of weight grads and B's hand-over beside the fused backward's), the forward and fused
-    backward alone, so the region keeps its scale with one ratio for B and W (both logged)."""
-    def attempt(split: bool) -> tuple[ProgramRuns, Programs]:
-        programs = Programs(ad, device, ins, acc, param_grads, compile_program, split=split)
-        return programs.timed(repeats), programs
-
-    try:
-        return attempt(True)
-    except RuntimeError as err:
-        failed = err.with_traceback(None)  # its frames would hold the failed attempt's tensors
-    if any(m[4] is not None for m in measured):
-        log.warning("regions timed once: holding them for a second timing leaves too little memory (%s: %s)",
-                    type(failed).__name__, failed)
-        measured[:] = [(*m[:4], None) for m in measured]
-        _free(device)
-        try:
-            return attempt(True)
-        except RuntimeError as err:
-            failed = err.with_traceback(None)
-    log.warning("region B and W not timed apart (one ratio for both): %s: %s", type(failed).__name__, failed)
-    _free(device)
-    return attempt(False)
-
-
-def _again(held: Sequence[Programs | None], repeats: int) -> list[ProgramRuns | None]:
-    """Every region's programs timed a second time, once all are compiled. The first timing of a region runs
-    right after its compile, beside whatever the host still does (a compiler's workers, other ranks' compiles:
-    a program whose launches outrun its kernels then runs slow), and one outlier skews the planner: a Llama's
-    fourth to ninth blocks, alike, timed 0.94 x and 1.17 x the model's mean forward in two regions
-    (4 x H100, 2026-11-27). All None where a region was let go or fails now: the regions are normalised against
-    each other, so all keep their first timing rather than some the faster of two."""
-    out: list[ProgramRuns | None] = []
-    for programs in held:
-        if programs is None:
-            return [None] * len(held)
-        try:
-            out.append(programs.timed(repeats))
-        except RuntimeError as err:
-            log.warning("a region's second timing failed (the first timings stand): %s: %s", type(err).__name__,
-                        err)
-            return [None] * len(held)
-    return out
-
-
-def _faster(first: ProgramRuns, again: ProgramRuns | None) -> ProgramRuns:
-    """Each program's faster time of two timings (noise on a device only slows a program down)."""
-    if again is None:
-        return first
-
-    def least(a: float | None, b: float | None) -> float | None:
-        return a if b is None else b if a is None else min(a, b)
-
-    return attrs.evolve(first, forward=min(first.forward, again.forward), backward=min(first.backward, again.backward),
-                        backward_input=least(first.backward_input, again.backward_input),
-                        backward_weight=least(first.backward_weight, again.backward_weight))
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _split_shares(ran: ProgramRuns, fused_sum: float, b_sum: float, w_sum: float) -> tuple[float, float]:
-    """Factors on a region's fused backward ratio that give B's and W's ops the seconds their own programs ran
-    (`program_seconds(split=True)`), each a share of the fused backward's measured seconds: B's program over the
-    fused one's, and W's. The whole model's calibrated ratio cannot tell B from W, and a compiler speeds them
-    unevenly (a Llama's inductor-compiled block stages ran W 1.45-1.94 x and B 0.72-0.85 x what one ratio gave
-    them, GPT's W 0.90-0.98 and B 0.96-1.06: 4 x H100, session 21's start-up measured scales); and apart they
-    cost more than fused (a Llama's B + W 1.04-1.07 x its fused backward, 4 x H100, 2026-11-27), which a
-    schedule that splits them pays while one that fuses them does not (it takes `Span.backward`). (1, 1) where
-    a part is empty (the first region's B: no input grads) or was not measured."""
-    b_run, w_run, fused_run = ran.backward_input, ran.backward_weight, ran.backward
-    if b_run is None or w_run is None or min(b_run, w_run, fused_run, b_sum, w_sum, fused_sum) <= 0:
-        return 1.0, 1.0
-    return b_run / fused_run * fused_sum / b_sum, w_run / fused_run * fused_sum / w_sum
-
-
 def _normalised(runs: Sequence[tuple[float, ...]]) -> list[Span]:
     """Each region's forward and backward seconds over its ops' sums, scaled so their means weighted by the
-    regions' ops' sums are 1; B's and W's ratios are the backward's times the region's `_split_shares` (its
+    regions' ops' sums are 1; B's and W's ratios are the backward's times the region's `timed._split_shares` (its
     7th and 8th numbers; 1 where a run has none), and the whole backward's (`Span.backward`) is the backward's."""
     f = [run[4] / run[2] if run[2] > 0 else 1.0 for run in runs]
     b = [run[5] / run[3] if run[3] > 0 else 1.0 for run in runs]

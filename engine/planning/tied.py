@@ -39,7 +39,7 @@ import ir
 
 from .blocks import crossing_bytes, inner_cuts, module_cuts
 from .calibration import signature
-from .measured import MeasuredScale, Span
+from .measured import MeasuredScale, Span, spans_of
 from .op_costs import CostModel
 
 RIDGE = 1e-4  # pulls a kind the stages do not pin down towards their mean ratio
@@ -48,18 +48,20 @@ BOUNDS = (0.2, 5.0)  # a fitted kind ratio outside these is a fit of noise: clip
 RESIDUAL = 0.10  # a stage its kinds miss by more keeps its own ratio on its equations (a slow device, say)
 
 
-def block_kinds(g: ir.Graph) -> list[int]:
-    """Each equation's kind: the index of the first piece, between the splitter's candidate cuts, whose
-    equations have the same op signatures as the piece it lies in."""
+def block_pieces(g: ir.Graph) -> list[tuple[int, int, int]]:
+    """The pieces of `g` between the splitter's candidate cuts, in order, as (kind, start, stop): a piece's kind is
+    the index of the first piece whose equations have the same op signatures."""
     cross = crossing_bytes(g)
     cuts = module_cuts(g, cross)
     bounds = [0, *sorted(set(cuts) | set(inner_cuts(cross, cuts))), len(g.eqns)]
     seen: dict[tuple[str, ...], int] = {}
-    kinds: list[int] = []
-    for start, stop in zip(bounds, bounds[1:]):
-        key = tuple(signature(e) for e in g.eqns[start:stop])
-        kinds += [seen.setdefault(key, len(seen))] * (stop - start)
-    return kinds
+    return [(seen.setdefault(tuple(signature(e) for e in g.eqns[start:stop]), len(seen)), start, stop)
+            for start, stop in zip(bounds, bounds[1:])]
+
+
+def block_kinds(g: ir.Graph) -> list[int]:
+    """Each equation's kind: that of the piece it lies in (`block_pieces`)."""
+    return [kind for kind, start, stop in block_pieces(g) for _ in range(start, stop)]
 
 
 def tied_model(model: CostModel, graphs: Iterable[ir.Graph]) -> CostModel:
@@ -106,14 +108,7 @@ def tie(scale: MeasuredScale, kinds: Sequence[int], weights: Sequence[Sequence[f
     per_pass = [(scale.spans, lambda s: s.forward), (later, lambda s: s.backward_input),
                 (later, lambda s: s.backward_weight), (scale.spans, lambda s: s.fused)]
     columns = [_pass(scale, spans, kinds, w, ratio) for (spans, ratio), w in zip(per_pass, weights)]
-    out: list[Span] = []
-    for i, ratios in enumerate(zip(*columns)):
-        last = out[-1] if out else None
-        if last is not None and (last.forward, last.backward_input, last.backward_weight, last.backward) == ratios:
-            out[-1] = Span(last.start, i + 1, *ratios)
-        else:
-            out.append(Span(i, i + 1, *ratios))
-    return MeasuredScale(n, out, scale.batch)
+    return MeasuredScale(n, spans_of(columns), scale.batch)
 
 
 def _shared(spans: Sequence[Span], kinds: Sequence[int]) -> set[int]:

@@ -98,7 +98,7 @@ def test_a_regions_b_and_w_take_the_seconds_their_own_programs_ran() -> None:
     2.55 x: a schedule that splits them pays the 6.6 ms, one that fuses them the whole backward's 6 ms
     (`Span.backward`). A region without a B (no input grads) or whose split was not measured keeps one ratio."""
     from engine.planning.calibration import ProgramRuns
-    from engine.planning.regions import _split_shares
+    from engine.planning.timed import _split_shares
 
     ran = ProgramRuns(1e-3, 6e-3, [], 1.5e-3, 5.1e-3)
     kb, kw = _split_shares(ran, 3e-3, 1e-3, 2e-3)
@@ -190,12 +190,12 @@ def test_a_region_whose_split_programs_cannot_run_keeps_one_backward_ratio(  # t
         monkeypatch) -> None:
     """The split B and W hold more beside the fused backward; where they fail (out of memory, scripted here for
     every region's W), the region is timed without them: its scale stands, B and W one ratio."""
-    from engine.planning import regions
+    from engine.planning import timed
 
     params, inputs, g = _model()
     cal = calibrate_training(g, "cpu", repeats=2)
     weights: list[ir.Graph] = []
-    real = regions.autodiff
+    real = timed.autodiff
 
     def noting(*args: Any, **kw: Any) -> Any:
         ad = real(*args, **kw)
@@ -207,7 +207,7 @@ def test_a_region_whose_split_programs_cannot_run_keeps_one_backward_ratio(  # t
             raise RuntimeError("CUDA out of memory (scripted)")
         return ir.compile_graph(graph, acc)
 
-    monkeypatch.setattr(regions, "autodiff", noting)
+    monkeypatch.setattr(timed, "autodiff", noting)
     found, _ = region_scale(g, torch.device("cpu"), cal, inputs, compile_program=failing_w)
     assert found is not None and len(found.spans) == 4
     assert all(s.backward_input == s.backward_weight for s in found.spans)
@@ -216,12 +216,12 @@ def test_a_region_whose_split_programs_cannot_run_keeps_one_backward_ratio(  # t
 def test_the_mlps_regions_time_b_and_w_apart(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The regions' programs, timed by a 'compiler' whose W programs sleep 20 ms a run: every region after the
     first (the first has no input grads to make) gives W a far larger ratio than B."""
-    from engine.planning import regions
+    from engine.planning import timed
 
     params, inputs, g = _model()
     cal = calibrate_training(g, "cpu", repeats=2)
     weights: list[ir.Graph] = []  # held, so no id is reused
-    real = regions.autodiff
+    real = timed.autodiff
 
     def noting(*args: Any, **kw: Any) -> Any:  # the regions' stage autodiff, its W graphs noted
         ad = real(*args, **kw)
@@ -238,7 +238,7 @@ def test_the_mlps_regions_time_b_and_w_apart(monkeypatch) -> None:  # type: igno
             return fn(*args)
         return run
 
-    monkeypatch.setattr(regions, "autodiff", noting)
+    monkeypatch.setattr(timed, "autodiff", noting)
     found, _ = region_scale(g, torch.device("cpu"), cal, inputs, compile_program=slow_w)
     assert found is not None and len(found.spans) == 4 and len(weights) == 4
     assert all(s.backward_weight > 5 * s.backward_input for s in found.spans[1:])
@@ -295,7 +295,7 @@ def test_regions_let_go_of_the_ones_before_where_holding_them_runs_out_of_memory
     """The regions are held for their second timing; the third region's timing fails once (out of memory,
     scripted): the ones before are let go, freed before the third is tried again (nothing of them, nor of the
     failed attempt, is alive then), no region is timed a second time, and the scale stands."""
-    from engine.planning import regions
+    from engine.planning import timed
 
     params, inputs, g = _model()
     cal = calibrate_training(g, "cpu", repeats=2)
@@ -303,7 +303,7 @@ def test_regions_let_go_of_the_ones_before_where_holding_them_runs_out_of_memory
     alive_at_retry: list[int] = []
     timings: list[int] = []
 
-    class Failing(regions.Programs):  # type: ignore[misc,name-defined]
+    class Failing(timed.Programs):  # type: ignore[misc,name-defined]
         def timed(self, repeats: int) -> Any:
             timings.append(len(made))
             if len(made) == 3 and not alive_at_retry:
@@ -319,9 +319,9 @@ def test_regions_let_go_of_the_ones_before_where_holding_them_runs_out_of_memory
         made.append(weakref.ref(p))
         return p
 
-    monkeypatch.setattr(regions, "Programs", programs)
+    monkeypatch.setattr(timed, "Programs", programs)
     told: list[str] = []
-    monkeypatch.setattr(regions.log, "warning", lambda msg, *a: told.append(msg % a))
+    monkeypatch.setattr(timed.log, "warning", lambda msg, *a: told.append(msg % a))
     found, _ = region_scale(g, torch.device("cpu"), cal, inputs)
     assert found is not None and len(found.spans) == 4
     assert any("regions timed once" in t for t in told) and len(made) == 5  # the third's made twice
@@ -392,7 +392,7 @@ def test_a_region_that_cannot_run_is_recorded_and_not_tried_again() -> None:
 
     table = calibrate_training(g, "cpu", repeats=2, inputs=inputs)
     out = with_regions(g, dev, table, inputs, {"fx": failing})
-    # tried twice: with the split backward, then without it (`regions._held_timed`); then recorded
+    # tried twice: with the split backward, then without it (`timed._held_timed`); then recorded
     assert out.regions["fx"].spans == () and out.regions["fx"].matches(g) and tries["n"] == 2
     assert with_regions(g, dev, out, inputs, {"fx": failing}, out) == out and tries["n"] == 2
 

@@ -1,0 +1,115 @@
+"""Piece scales: each region's measured ratio spread over the kinds of block it holds, from one timed piece of each.
+
+A region (`engine.planning.regions`) is a few blocks, and its one ratio costs every equation in it alike. The
+splitter also cuts inside blocks, and there the op costs' own split of a block decides: a Llama block's attention
+and MLP pieces cost 55 / 45 by their ops timed alone where its programs ran about 39 / 61 (4 x H100, inductor,
+session 23), so at p = 4 a zbv stage of two blocks and an MLP piece ran 1.12 x its plan and its neighbour 0.90 x,
+and the busiest rank carried 9.6 % over the mean (0.862 of ideal, session 25).
+
+So after the regions, one piece of each kind of block that repeats (`tied.block_pieces`: pieces between the
+splitter's candidate cuts with equal op signatures; at most KINDS kinds, the costliest, each piece at least SHARE of
+the model's forward seconds and each kind TOTAL) is compiled and timed alone as a region is (`timed.timed_stages`), on its real
+params and batch and random activations (their values do not change a kernel's time). In each region, a timed
+kind's equations then take the region's ratio times their kind's ratio over the timed kinds' mean there, per pass
+(F, B, W, whole backward), the mean weighted by forward seconds as the cost model weighs a stage's ratios
+(`CostModel.stage_scale`): a region's total stays what its program ran, and within it the time moves between the
+kinds as their pieces ran. A kind alone in its region, and the equations of kinds not timed (the embedding, the
+head, a first block that makes RoPE's tables), keep the region's ratio.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Sequence
+
+import torch
+
+import ir
+
+from .calibration import Calibration, ProgramCompiler, signature
+from .measured import MeasuredScale, spans_of
+from .timed import timed_stages
+from .tied import block_pieces
+
+log = logging.getLogger("engine.calibrate")
+KINDS = 4  # kinds of piece timed at most (each costs a compile of its four programs)
+SHARE = 0.005  # a piece below this share of the model's forward seconds is not timed: its launches, not its work
+TOTAL = 0.05  # nor a kind whose pieces together hold less (a norm the head and one block share): its ratio moves
+# little
+Ratios = tuple[float, float, float, float]  # a kind's F, B, W and whole-backward ratio to its ops' sums
+
+
+def timed_pieces(g: ir.Graph, times: Sequence[float]) -> list[tuple[int, int, int]]:
+    """(kind, start, stop) of one piece of each kind worth timing (`times`: the equations' forward seconds): kinds
+    of two pieces or more, each piece at least SHARE of the total and all of them TOTAL, the KINDS costliest in all,
+    the middle piece of each; none unless two kinds qualify (one kind's ratio cancels in its regions)."""
+    total = sum(times)
+    found: dict[int, list[tuple[int, int]]] = {}
+    for kind, start, stop in block_pieces(g):
+        found.setdefault(kind, []).append((start, stop))
+
+    def seconds(piece: tuple[int, int]) -> float:
+        return sum(times[piece[0]:piece[1]])
+
+    repeated = [(kind, pieces) for kind, pieces in found.items() if len(pieces) >= 2 and total > 0
+                and seconds(pieces[0]) >= SHARE * total and seconds(pieces[0]) * len(pieces) >= TOTAL * total]
+    repeated.sort(key=lambda item: -seconds(item[1][0]) * len(item[1]))
+    chosen = [(kind, *pieces[len(pieces) // 2]) for kind, pieces in repeated[:KINDS]]
+    return sorted(chosen, key=lambda piece: piece[1]) if len(chosen) >= 2 else []
+
+
+def piece_scale(g: ir.Graph, device: torch.device, region: MeasuredScale, cal: Calibration,
+                inputs: Sequence[torch.Tensor], *, level: bool | str = False, repeats: int = 3,
+                compile_program: ProgramCompiler = ir.compile_graph) -> tuple[MeasuredScale, Calibration]:
+    """`region` (the region scale of microbatch graph `g`) spread over the kinds of block in each region (the module
+    docstring), and `cal` with the ops only the pieces' programs have timed; `region` as it is where no two kinds
+    are worth timing or a piece cannot be timed (logged)."""
+    times = [cal.times.get(signature(e), 0.0) for e in g.eqns]
+    chosen = timed_pieces(g, times)
+    if not chosen or not region.matches(g):
+        return region, cal
+    stages = [_piece(g, start, stop) for _, start, stop in chosen]
+
+    def given(stage: ir.Stage, _: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)]  # the activations: random
+
+    runs, cal = timed_stages(stages, device, cal, given, level=level, repeats=repeats,
+                             compile_program=compile_program, what="piece scales")
+    if runs is None:
+        return region, cal
+    ratios = {kind: _ratios(run) for (kind, _, _), run in zip(chosen, runs)}
+    log.info("calibration: pieces of each kind run %s their ops' calibrated sum (F / B / W / BW)",
+             "; ".join(f"eqns {start}:{stop} " + " / ".join(f"{x:.2f}" for x in ratios[kind])
+                       for kind, start, stop in chosen))
+    kinds = [kind for kind, start, stop in block_pieces(g) for _ in range(start, stop)]
+    return spread(region, kinds, ratios, times), cal
+
+
+def _piece(g: ir.Graph, start: int, stop: int) -> ir.Stage:
+    """Equations [start, stop) of `g` as a stage of their own."""
+    cuts = [c for c in (start, stop) if 0 < c < len(g.eqns)]
+    return next(s for s in ir.split(g, cuts) if s.start == start)
+
+
+def _ratios(run: Sequence[float]) -> Ratios:
+    """A timed piece's F, B, W and whole-backward seconds over its ops' sums (`timed.timed_stages`' run)."""
+    forward = run[4] / run[2] if run[2] > 0 else 1.0
+    backward = run[5] / run[3] if run[3] > 0 else 1.0
+    return forward, backward * run[6], backward * run[7], backward
+
+
+def spread(region: MeasuredScale, kinds: Sequence[int], ratios: Mapping[int, Ratios],
+           times: Sequence[float]) -> MeasuredScale:
+    """`region` with each pass's ratio of a timed kind's equation (`kinds[i]` in `ratios`) multiplied, in its
+    region, by its kind's ratio over the timed kinds' mean there, weighted by `times` (forward seconds): each
+    region's time-weighted ratio is kept, equations of kinds not timed keep theirs."""
+    columns = [list(column) for column in region.columns()]
+    for span in region.spans:
+        timed = [i for i in range(span.start, span.stop) if kinds[i] in ratios and times[i] > 0]
+        weight = sum(times[i] for i in timed)
+        for p, column in enumerate(columns):
+            raw = sum(times[i] * ratios[kinds[i]][p] for i in timed)
+            if weight <= 0 or raw <= 0:
+                continue
+            for i in timed:
+                column[i] *= ratios[kinds[i]][p] * weight / raw
+    return MeasuredScale(region.num_eqns, spans_of(columns), region.batch)

@@ -1,0 +1,137 @@
+"""engine.planning.pieces: each region's ratio spread over the kinds of block it holds, from timed pieces."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import engine
+import ir
+from engine.planning.calibration import Calibration, calibrate_training, signature
+from engine.planning.measured import MeasuredScale, Span
+from engine.planning.pieces import piece_scale, spread, timed_pieces
+from engine.planning.regions import region_scale, with_regions
+from engine.planning.tied import block_pieces
+from examples import llama_model
+
+CONFIG = attrs.evolve(llama_model.CONFIGS["tiny"], n_layers=4, d_model=64, ffn_dim=128)
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[ir.Graph, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    fn, variables = engine.functionalize(llama_model.build(CONFIG, torch.float32), loss=llama_model.lm_loss)
+    tokens, targets = llama_model.example_batch(CONFIG, 4)
+    g = ir.trace(fn, variables, tokens, targets)
+    return g, pytree.tree_leaves((variables, tokens, targets))
+
+
+def test_a_region_keeps_its_weighted_ratio_and_its_timed_kinds_share_it_as_their_pieces_ran() -> None:
+    """Hand-worked: region 0:3 holds kinds 0, 1, 1 and ran F x1.5; kind 0's piece ran 2 x its ops, kind 1's 1 x,
+    so equation 0 takes 1.5 * 2 / (4 / 3) = 2.25 and equations 1, 2 take 1.125 (their mean stays 1.5). Region 3:6
+    holds one timed kind beside an untimed one: the timed kind's ratio cancels, nothing moves. Every pass alike."""
+    region = MeasuredScale(6, [Span(0, 3, 1.5, 0.8, 1.2, 1.0), Span(3, 6, 0.9, 1.1, 0.7, 0.95)], "b")
+    kinds = [0, 1, 1, 0, 2, 2]
+    ratios = {0: (2.0, 3.0, 1.0, 2.0), 1: (1.0, 1.0, 1.0, 1.0)}
+    out = spread(region, kinds, ratios, [1.0] * 6)
+    f, b, w, bw = out.columns()
+    assert f[:3] == pytest.approx([2.25, 1.125, 1.125]) and sum(f[:3]) / 3 == pytest.approx(1.5)
+    assert b[:3] == pytest.approx([0.8 * 3 / (5 / 3), 0.8 / (5 / 3), 0.8 / (5 / 3)])
+    assert w[:3] == pytest.approx([1.2] * 3)  # both kinds ran alike in W: nothing moves
+    assert bw[:3] == pytest.approx([1.5, 0.75, 0.75])
+    assert (f[3:], b[3:], w[3:], bw[3:]) == ([0.9] * 3, [1.1] * 3, [0.7] * 3, [0.95] * 3)
+    assert out.batch == "b" and out.num_eqns == 6
+
+
+def test_the_mean_is_weighted_by_forward_seconds_and_unweighed_equations_keep_their_ratio() -> None:
+    region = MeasuredScale(4, [Span(0, 4, 1.0, 1.0, 1.0, 1.0)])
+    out = spread(region, [0, 1, 1, 0], {0: (2.0,) * 4, 1: (1.0,) * 4}, [3.0, 1.0, 0.0, 0.0])
+    f = out.columns()[0]
+    mean = (3 * 2 + 1 * 1) / 4
+    assert f == pytest.approx([2 / mean, 1 / mean, 1.0, 1.0])  # 0 s: views, nothing to weigh
+    assert 3 * f[0] + f[1] == pytest.approx(4.0)
+
+
+def test_the_llamas_attention_and_mlp_are_the_kinds_timed_one_piece_each(llama) -> None:  # type: ignore[no-untyped-def]
+    g, _ = llama
+    times = [float(ir.eqn_cost(e).flops + ir.eqn_cost(e).bytes) for e in g.eqns]
+    chosen = timed_pieces(g, times)
+    pieces = block_pieces(g)
+    counts = {kind: sum(1 for k, _, _ in pieces if k == kind) for kind, _, _ in pieces}
+    assert len(chosen) == 2 and all(counts[kind] >= CONFIG.n_layers - 1 for kind, _, _ in chosen)
+    for kind, start, stop in chosen:  # the middle piece of its kind
+        mine = [(s, e) for k, s, e in pieces if k == kind]
+        assert (start, stop) == mine[len(mine) // 2]
+    assert {stop - start for _, start, stop in chosen} == {47, 13}  # an attention piece and an MLP piece
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + x
+
+
+def test_a_model_of_one_kind_of_block_times_no_piece() -> None:
+    """Six alike blocks are one kind (a kind's ratio cancels in its regions): nothing is worth timing."""
+    fn, variables = engine.functionalize(torch.nn.Sequential(*[_Block() for _ in range(6)]),
+                                         loss=lambda out, y: ((out - y) ** 2).mean())
+    g = ir.trace(fn, variables, torch.randn(4, 16), torch.randn(4, 16))
+    assert len({kind for kind, _, _ in block_pieces(g)}) < len(block_pieces(g))  # the blocks: one kind
+    assert timed_pieces(g, [1.0] * len(g.eqns)) == []
+
+
+def _slow_mlps(seconds: float) -> Any:
+    """A 'compiler' whose programs holding an MLP (a SiLU) sleep `seconds` a run: the MLP pieces run slow."""
+    def compile_program(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
+        fn = ir.compile_graph(graph, acc)
+        if not any("silu" in e.op for e in graph.eqns):
+            return fn
+
+        def run(*args: Any) -> Any:
+            time.sleep(seconds)
+            return fn(*args)
+        return run
+    return compile_program
+
+
+def test_slow_mlp_pieces_move_each_regions_time_onto_its_mlps(llama) -> None:  # type: ignore[no-untyped-def]
+    """Programs holding an MLP sleep 20 ms a run: every region holds MLPs and sleeps alike, so the regions cannot
+    tell attention from MLP; the timed pieces can. Within each region the MLP equations' forward ratio comes out
+    well above the attention's, and each region's forward-seconds-weighted ratio is what the region measured."""
+    g, inputs = llama
+    dev = torch.device("cpu")
+    cal = calibrate_training(g, "cpu", repeats=2, inputs=inputs)
+    slow = _slow_mlps(0.02)
+    region, cal = region_scale(g, dev, cal, inputs, compile_program=slow)
+    assert region is not None
+    out, grown = piece_scale(g, dev, region, cal, inputs, compile_program=slow)
+    times = [grown.times.get(signature(e), 0.0) for e in g.eqns]
+    kinds = {i: kind for kind, start, stop in block_pieces(g) for i in range(start, stop)}
+    (attention, *_), (mlp, *_) = sorted(timed_pieces(g, times), key=lambda p: -(p[2] - p[1]))
+    f = out.columns()[0]
+    for span in region.spans:
+        eqns = range(span.start, span.stop)
+        weight = sum(times[i] for i in eqns)
+        assert sum(times[i] * f[i] for i in eqns) / weight == pytest.approx(span.forward, rel=1e-9)
+        att = [f[i] for i in eqns if kinds[i] == attention and times[i] > 0]
+        mlps = [f[i] for i in eqns if kinds[i] == mlp and times[i] > 0]
+        if att and mlps:
+            assert min(mlps) > 3 * max(att), (span, min(mlps), max(att))
+
+
+def test_with_regions_spreads_its_regions_and_an_older_format_is_measured_again(  # type: ignore[no-untyped-def]
+        llama) -> None:
+    g, inputs = llama
+    dev = torch.device("cpu")
+    table = with_regions(g, dev, calibrate_training(g, "cpu", repeats=2, inputs=inputs), inputs,
+                         {"fx": _slow_mlps(0.02)})
+    assert len(table.regions["fx"].spans) > 4  # more spans than the four regions: the kinds within each
+    text = table.to_json().replace(', 5]', ', 4]')  # a table of the format before pieces
+    assert Calibration.from_json(text).regions == {}
