@@ -13,8 +13,10 @@ params and batch and random activations (their values do not change a kernel's t
 kind's equations then take the region's ratio times their kind's ratio over the timed kinds' mean there, per pass
 (F, B, W, whole backward), the mean weighted by forward seconds as the cost model weighs a stage's ratios
 (`CostModel.stage_scale`): a region's total stays what its program ran, and within it the time moves between the
-kinds as their pieces ran. A kind alone in its region, and the equations of kinds not timed (the embedding, the
-head, a first block that makes RoPE's tables), keep the region's ratio.
+kinds as their pieces ran. A piece of a kind not timed that shares most (LIKE) of its forward seconds' ops with a timed
+kind's piece, both ways, is costed as that kind (`likened`: a Llama's first attention, which also makes RoPE's tables, ran 0.90 x its
+plan as the region's ratio costed it, 4 x H100, session 26); a kind alone in its region, and the other untimed
+pieces (the embedding, the head), keep the region's ratio.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ KINDS = 4  # kinds of piece timed at most (each costs a compile of its four prog
 SHARE = 0.005  # a piece below this share of the model's forward seconds is not timed: its launches, not its work
 TOTAL = 0.05  # nor a kind whose pieces together hold less (a norm the head and one block share): its ratio moves
 # little
+LIKE = 0.8  # a piece of an untimed kind whose forward seconds lie this much in a timed kind's ops runs as it does
 Ratios = tuple[float, float, float, float]  # a kind's F, B, W and whole-backward ratio to its ops' sums
 
 
@@ -80,8 +83,31 @@ def piece_scale(g: ir.Graph, device: torch.device, region: MeasuredScale, cal: C
     log.info("calibration: pieces of each kind run %s their ops' calibrated sum (F / B / W / BW)",
              "; ".join(f"eqns {start}:{stop} " + " / ".join(f"{x:.2f}" for x in ratios[kind])
                        for kind, start, stop in chosen))
-    kinds = [kind for kind, start, stop in block_pieces(g) for _ in range(start, stop)]
-    return spread(region, kinds, ratios, times), cal
+    return spread(region, likened(g, chosen, times), ratios, times), cal
+
+
+def likened(g: ir.Graph, chosen: Sequence[tuple[int, int, int]], times: Sequence[float]) -> list[int]:
+    """Each equation's kind (`tied.block_pieces`), a piece of a kind not timed taking a timed kind (of `chosen`)
+    where at least LIKE of its forward seconds (`times`) lie in ops of that kind's piece and LIKE of that piece's
+    in its ops: a Llama's first attention, which also makes RoPE's tables, runs as the attentions timed do (a
+    final norm, whose ops an MLP piece starts with, does not)."""
+    def ops(start: int, stop: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for e, t in zip(g.eqns[start:stop], times[start:stop]):
+            out[signature(e)] = out.get(signature(e), 0.0) + t
+        return out
+
+    def like(a: dict[str, float], b: dict[str, float]) -> bool:  # most of a's seconds in b's ops, and of b's in a's
+        return all(sum(t for k, t in x.items() if k in y) >= LIKE * sum(x.values()) > 0 for x, y in ((a, b), (b, a)))
+
+    timed = {kind: ops(start, stop) for kind, start, stop in chosen}
+    kinds: list[int] = []
+    for kind, start, stop in block_pieces(g):
+        if kind not in timed:
+            mine = ops(start, stop)
+            kind = next((k for k, theirs in timed.items() if like(mine, theirs)), kind)
+        kinds += [kind] * (stop - start)
+    return kinds
 
 
 def _piece(g: ir.Graph, start: int, stop: int) -> ir.Stage:

@@ -13,7 +13,7 @@ import engine
 import ir
 from engine.planning.calibration import Calibration, calibrate_training, signature
 from engine.planning.measured import MeasuredScale, Span
-from engine.planning.pieces import piece_scale, spread, timed_pieces
+from engine.planning.pieces import likened, piece_scale, spread, timed_pieces
 from engine.planning.regions import region_scale, with_regions
 from engine.planning.tied import block_pieces
 from examples import llama_model
@@ -67,6 +67,24 @@ def test_the_llamas_attention_and_mlp_are_the_kinds_timed_one_piece_each(llama) 
         mine = [(s, e) for k, s, e in pieces if k == kind]
         assert (start, stop) == mine[len(mine) // 2]
     assert {stop - start for _, start, stop in chosen} == {47, 13}  # an attention piece and an MLP piece
+
+
+def test_the_first_attention_which_also_makes_ropes_tables_is_costed_as_the_attentions_timed(  # type: ignore[no-untyped-def]
+        llama) -> None:
+    g, _ = llama
+    times = [float(ir.eqn_cost(e).flops + ir.eqn_cost(e).bytes) for e in g.eqns]
+    chosen = timed_pieces(g, times)
+    attention = next(kind for kind, start, stop in chosen if stop - start == 47)
+    pieces = block_pieces(g)
+    first = next((kind, start, stop) for kind, start, stop in pieces if stop - start == 53)  # RoPE's tables too
+    assert first[0] != attention
+    kinds = likened(g, chosen, times)
+    assert set(kinds[first[1]:first[2]]) == {attention}
+    for kind, start, stop in (*pieces[:1], *pieces[-3:]):  # the embedding, the head and its loss: their own
+        assert set(kinds[start:stop]) == {kind}
+    tail = pieces[-10]  # the last block's MLP without its norm (the splitter cuts it after the norm's rsqrt)
+    assert [e.op for e in g.eqns[tail[1]:tail[2]]][-2:] == ["aten.linear.default", "aten.add.Tensor"]
+    assert set(kinds[tail[1]:tail[2]]) == {next(kind for kind, start, stop in chosen if stop - start == 13)}
 
 
 class _Block(torch.nn.Module):
