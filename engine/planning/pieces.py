@@ -7,16 +7,17 @@ session 23), so at p = 4 a zbv stage of two blocks and an MLP piece ran 1.12 x i
 and the busiest rank carried 9.6 % over the mean (0.862 of ideal, session 25).
 
 So after the regions, one piece of each kind of block that repeats (`tied.block_pieces`: pieces between the
-splitter's candidate cuts with equal op signatures; at most KINDS kinds, the costliest, each piece at least SHARE of
-the model's forward seconds and each kind TOTAL) is compiled and timed alone as a region is (`timed.timed_stages`), on its real
-params and batch and random activations (their values do not change a kernel's time). In each region, a timed
-kind's equations then take the region's ratio times their kind's ratio over the timed kinds' mean there, per pass
-(F, B, W, whole backward), the mean weighted by forward seconds as the cost model weighs a stage's ratios
+splitter's candidate cuts with equal op signatures; at most KINDS kinds, the costliest, each piece at least SHARE
+of the model's forward seconds and each kind TOTAL) is compiled and timed alone as a region is
+(`timed.timed_stages`; a piece its launches pace is timed behind a spin of the device, `calibration.Programs`), on
+its real params and batch and random activations (their values do not change a kernel's time). In each region, a
+timed kind's equations then take the region's ratio times their kind's ratio over the timed kinds' mean there, per
+pass (F, B, W, whole backward), the mean weighted by forward seconds as the cost model weighs a stage's ratios
 (`CostModel.stage_scale`): a region's total stays what its program ran, and within it the time moves between the
-kinds as their pieces ran. A piece of a kind not timed that shares most (LIKE) of its forward seconds' ops with a timed
-kind's piece, both ways, is costed as that kind (`likened`: a Llama's first attention, which also makes RoPE's tables, ran 0.90 x its
-plan as the region's ratio costed it, 4 x H100, session 26); a kind alone in its region, and the other untimed
-pieces (the embedding, the head), keep the region's ratio.
+kinds as their pieces ran. A piece of a kind not timed that shares most (LIKE) of its forward seconds' ops with a
+timed kind's piece, both ways, is costed as that kind (`likened`: a Llama's first attention, which also makes
+RoPE's tables, ran 0.90 x its plan as the region's ratio costed it, 4 x H100, session 26); a kind alone in its
+region, and the other untimed pieces (the embedding, the head), keep the region's ratio.
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 planner costs that compiler's plans with the measured scale."""
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -216,3 +217,64 @@ def test_a_slow_first_round_does_not_set_the_program_time() -> None:
     f = C.program_seconds(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, 5, first_slow).forward
     assert runs["forward"] == C.WARM_ROUNDS + 5
     assert 0.0095 < f < 0.016
+
+
+def _paced_programs(monkeypatch, sleep: Any) -> tuple[Any, list[float]]:  # type: ignore[no-untyped-def]
+    """Programs of a two-layer MLP built on the CPU and then taken for CUDA's (syncs a no-op, no settling, the
+    device's spins recorded), their forward sleeping `sleep(spun)` seconds a run, `spun` whether a spin came."""
+    import time
+    from types import SimpleNamespace
+
+    from engine.planning import calibration as C
+
+    spins: list[float] = []
+    monkeypatch.setattr(C, "_sync", lambda device: None)
+    monkeypatch.setattr(C, "spin_device", lambda device, seconds: spins.append(seconds) if seconds > 0 else None)
+    monkeypatch.setenv(C.SETTLE, "0")
+    params = {"layers": [torch.randn(32, 32) for _ in range(2)]}
+    x = torch.randn(8, 32)
+    g = ir.trace(_mlp, params, x)
+    ad = ir.stage_autodiff(g, constant=range(g.num_params, len(g.inputs)))
+    runs = itertools.count()
+
+    def paced(graph: ir.Graph, acc: tuple[int, ...]) -> Any:
+        fn = ir.compile_graph(graph, acc)
+        if graph is not ad.forward.graph:
+            return fn
+
+        def run(*args: Any) -> Any:
+            time.sleep(sleep(next(runs), bool(spins)))
+            return fn(*args)
+        return run
+
+    grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
+    acc = tuple(k for k, slot in enumerate(ad.backward.out_slots) if slot in grads)
+    programs = C.Programs(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, paced)
+    programs.device = SimpleNamespace(type="cuda")  # type: ignore[assignment]
+    return programs, spins
+
+
+def test_rounds_their_launches_pace_are_timed_again_behind_a_spin_of_the_device(  # type: ignore[no-untyped-def]
+        monkeypatch) -> None:
+    """A warm round issued to an idle device takes as long as a timed round (the launches pace the rounds: on a
+    real device they are timed at the host's pace), so the rounds are timed again after the device is made to
+    spin about as long as their launches take; the second timing stands (here 10 ms a forward, after 30)."""
+    programs, spins = _paced_programs(monkeypatch, lambda run, spun: 0.01 if spun else 0.03)
+    f = programs.timed(3).forward
+    assert len(spins) == 1 and spins[0] >= 1.25 * 3 * 0.03
+    assert 0.0095 < f < 0.02
+
+
+def test_rounds_the_device_paces_are_timed_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Warm rounds issued in 1 ms, timed rounds of 30 ms: the device paced them; no spin, no second timing."""
+    from engine.planning import calibration as C
+
+    programs, spins = _paced_programs(monkeypatch, lambda run, spun: 0.001 if run < C.WARM_ROUNDS else 0.03)
+    f = programs.timed(3).forward
+    assert spins == [] and 0.0295 < f < 0.045
+
+
+def test_a_spin_is_nothing_off_cuda() -> None:
+    from engine.planning.calibration import spin_device
+
+    spin_device(torch.device("cpu"), 1.0)  # returns at once: no CUDA call

@@ -69,7 +69,7 @@ def test_the_llamas_attention_and_mlp_are_the_kinds_timed_one_piece_each(llama) 
     assert {stop - start for _, start, stop in chosen} == {47, 13}  # an attention piece and an MLP piece
 
 
-def test_the_first_attention_which_also_makes_ropes_tables_is_costed_as_the_attentions_timed(  # type: ignore[no-untyped-def]
+def test_the_first_attention_which_also_makes_ropes_tables_is_costed_as_the_attentions(  # type: ignore[no-untyped-def]
         llama) -> None:
     g, _ = llama
     times = [float(ir.eqn_cost(e).flops + ir.eqn_cost(e).bytes) for e in g.eqns]
