@@ -454,17 +454,20 @@ class Programs:
     values on the device, ready to be timed (`timed`), once or again later."""
 
     def __init__(self, ad: ir.StageAD, device: torch.device, inputs: Sequence[torch.Tensor], acc: tuple[int, ...],
-                 param_grads: dict[int, int], compile_program: ProgramCompiler, *, split: bool = False) -> None:
-        self.ad, self.device, self.split = ad, device, split
+                 param_grads: dict[int, int], compile_program: ProgramCompiler, *, split: bool = False,
+                 queued: bool = False) -> None:
+        self.ad, self.device, self.split, self.queued = ad, device, split, queued
         fwd, bwd = ad.forward, ad.backward
         self.slots = {i: _random_input(ir.Var(a), device) for i, a in enumerate(ad.slot_avals) if a is not None}
         self.slots.update((i, x.to(device)) for i, x in enumerate(inputs))
         self.run_f = compile_program(fwd.graph, ())
         accs = [torch.zeros_like(self.slots[param_grads[bwd.out_slots[k]]]) for k in acc]
         self.parts = [(compile_program(bwd.graph, acc), bwd, accs)]
-        if split:
+        if split:  # as the runtime runs them: W adds its weight grads into the accumulators, B adds none (a grad
+            # B makes, a norm's weight's, is one of W's inputs: `emit._backward`)
             for part in (ad.backward_input, ad.backward_weight):
-                summed = tuple(k for k, slot in enumerate(part.out_slots) if slot in param_grads)
+                summed = tuple(k for k, slot in enumerate(part.out_slots)
+                               if slot in param_grads and part is ad.backward_weight)
                 self.parts.append((compile_program(part.graph, summed), part,
                                    [torch.zeros_like(self.slots[param_grads[part.out_slots[k]]]) for k in summed]))
         self.clock = Clock(device)
@@ -481,10 +484,10 @@ class Programs:
 
     def timed(self, repeats: int) -> ProgramRuns:
         """The medians of `repeats` timed rounds, after WARM_ROUNDS untimed ones and `settle_seconds` more; on CUDA,
-        rounds whose launches alone (a warm round issued to an idle device) take HOST_BOUND of their timed seconds
-        are timed again behind a spin of the device (`_rounds`): what the planner costs is the device's work (the
-        host's launches are costed apart, `Calibration.launches`), and a round its launches pace times the host,
-        which other processes' work beside it slows."""
+        with `queued` (small programs: a block's piece) always behind a spin of the device (`_queued`), else again
+        behind one where a warm round's launches (issued to an idle device) take HOST_BOUND of the rounds' timed
+        seconds: what the planner costs is the device's work (the host's launches are costed apart,
+        `Calibration.launches`), and a round its launches pace times the host, which other processes slow."""
         clock = self.clock
         host = 0.0
         for _ in range(WARM_ROUNDS):
@@ -493,11 +496,15 @@ class Programs:
             self.once(False)
             host = time.perf_counter() - start  # issued to an idle device: the launches alone (on CUDA)
         settling = settling_rounds(settle_seconds(self.device), lambda: self.once(False), clock)
-        gaps = self._rounds(settling, repeats, 0.0)
-        if self.device.type == "cuda" and host * repeats >= HOST_BOUND * sum(gaps):  # the launches paced the device
-            log.info("calibration: programs timed at their launches' pace (%.2f ms to launch a round, %.2f ms a "
-                     "round timed): timed again behind a spin of the device", host * 1e3, sum(gaps) / repeats * 1e3)
-            gaps = self._rounds(settling, repeats, 1.25 * host * repeats + 1e-3)
+        if self.queued and self.device.type == "cuda":
+            gaps = self._queued(settling, repeats, host)
+        else:
+            gaps, _ = self._rounds(settling, repeats, 0.0)
+            if self.device.type == "cuda" and host * repeats >= HOST_BOUND * sum(gaps):  # launches paced them
+                log.info("calibration: programs timed at their launches' pace (%.2f ms to launch a round, %.2f ms "
+                         "a round timed): timed again behind a spin of the device", host * 1e3,
+                         sum(gaps) / repeats * 1e3)
+                gaps = self._queued(settling, repeats, host)
         every = 1 + len(self.parts)
         medians = [statistics.median(gaps[k::every]) for k in range(every)]
         log.info("calibration: forward program %s ms, backward %s ms%s (each round; the medians are kept)",
@@ -505,20 +512,36 @@ class Programs:
                  f", B {_ms(gaps[2::every])} ms, W {_ms(gaps[3::every])} ms" if self.split else "")
         return ProgramRuns(medians[0], medians[1], [self.slots[i] for i in self.ad.out_slots], *medians[2:])
 
-    def _rounds(self, settling: int, repeats: int, spin: float) -> list[float]:
-        """`settling` untimed rounds and then `repeats` timed ones, no sync between them: the programs' seconds
-        (forward, backward[, B, W], forward, ...); with `spin` > 0 the device spins that long before the timed
-        rounds (`spin_device`), so their launches queue up behind it and they run at the device's pace, not the
-        host's."""
+    def _queued(self, settling: int, repeats: int, host: float) -> list[float]:
+        """Timed rounds queued up behind a spin of the device 1.25 x as long as `host` (a round's launches) times
+        `repeats`; again behind a longer one where the host took longer than the spin to issue them."""
+        spin = 1.25 * host * repeats + 1e-3
+        gaps, issued = self._rounds(settling, repeats, spin)
+        if issued > spin:
+            log.info("calibration: the timed rounds took %.2f ms to issue, longer than the %.2f ms spin ahead of "
+                     "them: timed again behind a longer one", issued * 1e3, spin * 1e3)
+            gaps, issued = self._rounds(settling, repeats, 1.5 * issued + 1e-3)
+        return gaps
+
+    def _rounds(self, settling: int, repeats: int, spin: float) -> tuple[list[float], float]:
+        """`settling` untimed rounds and then `repeats` timed ones: the programs' seconds (forward, backward[, B,
+        W], forward, ...) and the host's seconds to issue the timed rounds. No sync between them, or with `spin` > 0
+        one sync and then the device spinning that long (`spin_device`), so the timed rounds queue up behind it and
+        run at the device's pace (the sync leaves it idle for one launch; the settling rounds' backlog would
+        hold the host past the spin)."""
         clock = self.clock
         clock.start()  # before the settling rounds: no sync between them and the timed ones
         for _ in range(settling):
             self.once(False)
-        spin_device(self.device, spin)
+        if spin > 0:
+            _sync(self.device)
+            spin_device(self.device, spin)
+        start = time.perf_counter()
         for _ in range(repeats):
             self.once(True)
         clock.mark()
-        return clock.gaps()
+        issued = time.perf_counter() - start
+        return clock.gaps(), issued
 
     def launched(self, repeats: int) -> tuple[float, float] | None:
         """The host's seconds to launch the forward and then the fused backward from an idle device (the median of
@@ -550,8 +573,8 @@ def _ms(seconds: Sequence[float]) -> str:
 
 
 HOST_BOUND = 0.8  # timed rounds whose launches took this share of their device time or more were paced by the
-# host: a Llama attention piece alone (0.25 ms of kernels) timed 0.25 ms in one launch and 0.52-0.79 ms in the next,
-# beside other ranks' compiles (4 x H100, session 26); behind a spin they run at the device's pace
+# host: a Llama attention piece alone (0.25 ms of kernels) timed 0.25 ms in one launch and 0.52-0.79 ms in the
+# next, beside other ranks' compiles (4 x H100, session 26); behind a spin they run at the device's pace
 
 
 def spin_device(device: torch.device, seconds: float) -> None:
@@ -559,7 +582,9 @@ def spin_device(device: torch.device, seconds: float) -> None:
     the work launched next queues up behind it; nothing elsewhere or for 0 seconds."""
     if device.type != "cuda" or seconds <= 0:
         return
-    torch.cuda._sleep(max(1, int(seconds * _cycles_per_second(device.index or 0))))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with torch.cuda.device(index):
+        torch.cuda._sleep(max(1, int(seconds * _cycles_per_second(index))))
 
 
 _CYCLES: dict[int, float] = {}

@@ -7,22 +7,23 @@ session 23), so at p = 4 a zbv stage of two blocks and an MLP piece ran 1.12 x i
 and the busiest rank carried 9.6 % over the mean (0.862 of ideal, session 25).
 
 So after the regions, one piece of each kind of block that repeats (`tied.block_pieces`: pieces between the
-splitter's candidate cuts with equal op signatures; at most KINDS kinds, the costliest, each piece at least SHARE
-of the model's forward seconds and each kind TOTAL) is compiled and timed alone as a region is
-(`timed.timed_stages`; a piece its launches pace is timed behind a spin of the device, `calibration.Programs`), on
-its real params and batch and random activations (their values do not change a kernel's time). In each region, a
-timed kind's equations then take the region's ratio times their kind's ratio over the timed kinds' mean there, per
-pass (F, B, W, whole backward), the mean weighted by forward seconds as the cost model weighs a stage's ratios
-(`CostModel.stage_scale`): a region's total stays what its program ran, and within it the time moves between the
-kinds as their pieces ran. A piece of a kind not timed that shares most (LIKE) of its forward seconds' ops with a
-timed kind's piece, both ways, is costed as that kind (`likened`: a Llama's first attention, which also makes
+splitter's candidate cuts with equal op signatures; at most KINDS kinds, the costliest, each piece at least SHARE of
+the model's forward seconds and each kind TOTAL) is compiled and timed alone as a region is (`timed.timed_stages`,
+each behind a spin of the device so that its launches do not pace it: `calibration.Programs`), on its real params
+and batch and random activations (a dense kernel's time does not depend on its values; integer activations are
+zeros, so a kernel that branches on them, as a mixture of experts' routing, would not time as it runs). In each
+region, a timed kind's equations then take the region's ratio times their kind's ratio over the timed kinds' mean
+there, per pass (F, B, W, whole backward), the mean weighted by forward seconds as the cost model weighs a stage's
+ratios (`CostModel.stage_scale`): a region's total stays what its program ran, and within it the time moves between
+the kinds as their pieces ran. A piece of a kind not timed that shares most (LIKE) of its forward seconds' ops with
+a timed kind's piece, both ways, is costed as that kind (`likened`: a Llama's first attention, which also makes
 RoPE's tables, ran 0.90 x its plan as the region's ratio costed it, 4 x H100, session 26); a kind alone in its
 region, and the other untimed pieces (the embedding, the head), keep the region's ratio.
 """
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -39,13 +40,17 @@ SHARE = 0.005  # a piece below this share of the model's forward seconds is not 
 TOTAL = 0.05  # nor a kind whose pieces together hold less (a norm the head and one block share): its ratio moves
 # little
 LIKE = 0.8  # a piece of an untimed kind whose forward seconds lie this much in a timed kind's ops runs as it does
-Ratios = tuple[float, float, float, float]  # a kind's F, B, W and whole-backward ratio to its ops' sums
+COVER = 0.5  # nor unless the kinds timed hold this share of the model's forward seconds: a stack of alike blocks
+# (a ResNet's repeated pieces are single convolutions and BatchNorm fragments, about 1 % each: its regions stand)
+Ratios = tuple[float | None, float | None, float | None, float | None]  # a kind's F, B, W and whole-backward
+# ratio to its ops' sums; None where not measured (B and W not timed apart, a pass of no ops)
 
 
 def timed_pieces(g: ir.Graph, times: Sequence[float]) -> list[tuple[int, int, int]]:
     """(kind, start, stop) of one piece of each kind worth timing (`times`: the equations' forward seconds): kinds
     of two pieces or more, each piece at least SHARE of the total and all of them TOTAL, the KINDS costliest in all,
-    the middle piece of each; none unless two kinds qualify (one kind's ratio cancels in its regions)."""
+    the middle piece of each; none unless two kinds qualify (one kind's ratio cancels in its regions) and they
+    hold COVER of the total."""
     total = sum(times)
     found: dict[int, list[tuple[int, int]]] = {}
     for kind, start, stop in block_pieces(g):
@@ -58,7 +63,10 @@ def timed_pieces(g: ir.Graph, times: Sequence[float]) -> list[tuple[int, int, in
                 and seconds(pieces[0]) >= SHARE * total and seconds(pieces[0]) * len(pieces) >= TOTAL * total]
     repeated.sort(key=lambda item: -seconds(item[1][0]) * len(item[1]))
     chosen = [(kind, *pieces[len(pieces) // 2]) for kind, pieces in repeated[:KINDS]]
-    return sorted(chosen, key=lambda piece: piece[1]) if len(chosen) >= 2 else []
+    covered = sum(seconds(pieces[0]) * len(pieces) for _, pieces in repeated[:KINDS])
+    if len(chosen) < 2 or covered < COVER * total:
+        return []
+    return sorted(chosen, key=lambda piece: piece[1])
 
 
 def piece_scale(g: ir.Graph, device: torch.device, region: MeasuredScale, cal: Calibration,
@@ -77,12 +85,12 @@ def piece_scale(g: ir.Graph, device: torch.device, region: MeasuredScale, cal: C
         return [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)]  # the activations: random
 
     runs, cal = timed_stages(stages, device, cal, given, level=level, repeats=repeats,
-                             compile_program=compile_program, what="piece scales")
+                             compile_program=compile_program, what="piece scales", queued=True)
     if runs is None:
         return region, cal
     ratios = {kind: _ratios(run) for (kind, _, _), run in zip(chosen, runs)}
     log.info("calibration: pieces of each kind run %s their ops' calibrated sum (F / B / W / BW)",
-             "; ".join(f"eqns {start}:{stop} " + " / ".join(f"{x:.2f}" for x in ratios[kind])
+             "; ".join(f"eqns {start}:{stop} " + " / ".join("-" if x is None else f"{x:.2f}" for x in ratios[kind])
                        for kind, start, stop in chosen))
     return spread(region, likened(g, chosen, times), ratios, times), cal
 
@@ -117,10 +125,13 @@ def _piece(g: ir.Graph, start: int, stop: int) -> ir.Stage:
     return next(s for s in ir.split(g, cuts) if s.start == start)
 
 
-def _ratios(run: Sequence[float]) -> Ratios:
-    """A timed piece's F, B, W and whole-backward seconds over its ops' sums (`timed.timed_stages`' run)."""
-    forward = run[4] / run[2] if run[2] > 0 else 1.0
-    backward = run[5] / run[3] if run[3] > 0 else 1.0
+def _ratios(run: Sequence[Any]) -> Ratios:
+    """A timed piece's F, B, W and whole-backward seconds over its ops' sums (`timed.timed_stages`' run); None
+    for a pass of no ops, and for B and W where they were not timed apart."""
+    forward = run[4] / run[2] if run[2] > 0 else None
+    backward = run[5] / run[3] if run[3] > 0 else None
+    if backward is None or run[6] is None:
+        return forward, None, None, backward
     return forward, backward * run[6], backward * run[7], backward
 
 
@@ -128,15 +139,18 @@ def spread(region: MeasuredScale, kinds: Sequence[int], ratios: Mapping[int, Rat
            times: Sequence[float]) -> MeasuredScale:
     """`region` with each pass's ratio of a timed kind's equation (`kinds[i]` in `ratios`) multiplied, in its
     region, by its kind's ratio over the timed kinds' mean there, weighted by `times` (forward seconds): each
-    region's time-weighted ratio is kept, equations of kinds not timed keep theirs."""
+    region's time-weighted ratio is kept, equations of kinds not timed keep theirs. A pass where some kind's ratio
+    is None (not measured) is left as it is: the kinds' ratios compare only where all were measured alike."""
     columns = [list(column) for column in region.columns()]
     for span in region.spans:
         timed = [i for i in range(span.start, span.stop) if kinds[i] in ratios and times[i] > 0]
         weight = sum(times[i] for i in timed)
         for p, column in enumerate(columns):
-            raw = sum(times[i] * ratios[kinds[i]][p] for i in timed)
+            if any(ratios[kinds[i]][p] is None for i in timed):
+                continue
+            raw = sum(times[i] * ratios[kinds[i]][p] for i in timed)  # type: ignore[operator]
             if weight <= 0 or raw <= 0:
                 continue
             for i in timed:
-                column[i] *= ratios[kinds[i]][p] * weight / raw
+                column[i] *= ratios[kinds[i]][p] * weight / raw  # type: ignore[operator]
     return MeasuredScale(region.num_eqns, spans_of(columns), region.batch)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import attrs
 import torch
@@ -110,15 +110,16 @@ def region_scale(g: ir.Graph, device: torch.device, cal: Calibration, inputs: Se
     return found, cal
 
 
-def _normalised(runs: Sequence[tuple[float, ...]]) -> list[Span]:
+def _normalised(runs: Sequence[tuple[Any, ...]]) -> list[Span]:
     """Each region's forward and backward seconds over its ops' sums, scaled so their means weighted by the
     regions' ops' sums are 1; B's and W's ratios are the backward's times the region's `timed._split_shares` (its
-    7th and 8th numbers; 1 where a run has none), and the whole backward's (`Span.backward`) is the backward's."""
+    7th and 8th numbers; 1 where a run has none or they are None), and the whole backward's (`Span.backward`) is
+    the backward's."""
     f = [run[4] / run[2] if run[2] > 0 else 1.0 for run in runs]
     b = [run[5] / run[3] if run[3] > 0 else 1.0 for run in runs]
     f_mean = _weighted_mean(f, [r[2] for r in runs])
     b_mean = _weighted_mean(b, [r[3] for r in runs])
-    shares = [tuple(run[6:8]) if len(run) >= 8 else (1.0, 1.0) for run in runs]
+    shares = [tuple(run[6:8]) if len(run) >= 8 and run[6] is not None else (1.0, 1.0) for run in runs]
     return [Span(int(run[0]), int(run[1]), fr / f_mean, br * kb / b_mean, br * kw / b_mean, br / b_mean)
             for run, fr, br, (kb, kw) in zip(runs, f, b, shares)]
 

@@ -7,7 +7,7 @@ each kind of block; both read each stage's run (`timed_stages`) as ratios to its
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -24,15 +24,16 @@ Feed = Callable[[ir.Stage, Mapping[int, torch.Tensor]], Sequence[torch.Tensor]]
 
 
 def timed_stages(stages: Sequence[ir.Stage], device: torch.device, cal: Calibration, feed: Feed, *,
-                 level: bool | str, repeats: int, compile_program: ProgramCompiler,
-                 what: str) -> tuple[list[tuple[float, ...]] | None, Calibration]:
+                 level: bool | str, repeats: int, compile_program: ProgramCompiler, what: str,
+                 queued: bool = False) -> tuple[list[tuple[Any, ...]] | None, Calibration]:
     """Each of `stages` (of one microbatch graph) autodiffed at `level`, its forward, fused backward, B and W
     programs compiled and timed on `device` (each program's faster of a timing right after its compile and one once
     all are compiled: `_again`), as a run (start, stop, forward ops' sum, backward ops' sum, forward seconds,
-    backward seconds, B's and W's factors on the backward's ratio: `_split_shares`); and `cal` with the ops only
-    these programs have timed. A stage's inputs are `feed(stage, values)`, `values` the outputs of the stages
-    before (by value id; inputs left out are random, `calibration.Programs`). None when some op cannot be timed
-    alone or a program cannot run here (logged with `what`: out of memory, a compiler's failure)."""
+    backward seconds, B's and W's factors on the backward's ratio: `_split_shares`, both None where B and W were not
+    timed apart); and `cal` with the ops only these programs have timed (`queued`: `calibration.Programs`'s). A
+    stage's inputs are `feed(stage, values)`, `values` the outputs of the stages before (by value id; inputs left
+    out are random, `calibration.Programs`). None when some op cannot be timed alone or a program cannot run here
+    (logged with `what`: out of memory, a compiler's failure)."""
     values: dict[int, torch.Tensor] = {}  # crossing value id -> its tensor, from the stage before
     measured = []  # per stage: (its stage, its ops' sums, its programs' seconds, its programs while held)
     for stage in stages:
@@ -46,7 +47,7 @@ def timed_stages(stages: Sequence[ir.Stage], device: torch.device, cal: Calibrat
             return None, cal
         try:
             ran, programs = _held_timed(ad, device, list(feed(stage, values)), sums.accumulate, sums.param_grads,
-                                        repeats, compile_program, measured)
+                                        repeats, compile_program, measured, what, queued)
         except RuntimeError as err:  # out of memory, a compiler's failure: the whole model's scale stands alone
             log.warning("%s not measured (equations %d:%d): %s: %s", what, stage.start, stage.stop,
                         type(err).__name__, err)
@@ -55,23 +56,24 @@ def timed_stages(stages: Sequence[ir.Stage], device: torch.device, cal: Calibrat
         measured.append((stage, ad, sums, ran, programs))
         del programs  # held in `measured` alone: letting go there frees it
     runs = []
-    for (stage, ad, sums, first, _), again in zip(measured, _again([m[4] for m in measured], repeats)):
+    for (stage, ad, sums, first, _), again in zip(measured, _again([m[4] for m in measured], repeats, what)):
         ran = _faster(first, again)
+        shares = _split_shares(ran, sums.backward, *split_sums(ad, cal, sums.param_grads, stage.graph))
         runs.append((stage.start, stage.stop, sums.forward, sums.backward, ran.forward, ran.backward,
-                     *_split_shares(ran, sums.backward, *split_sums(ad, cal, sums.param_grads, stage.graph))))
+                     *(shares if shares is not None else (None, None))))
     return runs, cal
 
 
 def _held_timed(ad: ir.StageAD, device: torch.device, ins: Sequence[torch.Tensor], acc: tuple[int, ...],
                 param_grads: dict[int, int], repeats: int, compile_program: ProgramCompiler,
-                measured: list[tuple]) -> tuple[ProgramRuns, Programs]:
+                measured: list[tuple], what: str, queued: bool) -> tuple[ProgramRuns, Programs]:
     """A region's programs timed with its backward split as well, and the programs, held for their second
     timing (`_again`) beside the regions' before it. Where that leaves too little memory, the regions before are
     let go (each keeps its first timing) and it is tried again; where the split programs still cannot run (they
     hold a second set of weight grads and B's hand-over beside the fused backward's), the forward and fused
     backward alone, so the region keeps its scale with one ratio for B and W (both logged)."""
     def attempt(split: bool) -> tuple[ProgramRuns, Programs]:
-        programs = Programs(ad, device, ins, acc, param_grads, compile_program, split=split)
+        programs = Programs(ad, device, ins, acc, param_grads, compile_program, split=split, queued=queued)
         return programs.timed(repeats), programs
 
     try:
@@ -79,20 +81,20 @@ def _held_timed(ad: ir.StageAD, device: torch.device, ins: Sequence[torch.Tensor
     except RuntimeError as err:
         failed = err.with_traceback(None)  # its frames would hold the failed attempt's tensors
     if any(m[4] is not None for m in measured):
-        log.warning("regions timed once: holding them for a second timing leaves too little memory (%s: %s)",
-                    type(failed).__name__, failed)
+        log.warning("%s: timed once, holding them for a second timing leaves too little memory (%s: %s)",
+                    what, type(failed).__name__, failed)
         measured[:] = [(*m[:4], None) for m in measured]
         _free(device)
         try:
             return attempt(True)
         except RuntimeError as err:
             failed = err.with_traceback(None)
-    log.warning("region B and W not timed apart (one ratio for both): %s: %s", type(failed).__name__, failed)
+    log.warning("%s: B and W not timed apart (one ratio for both): %s: %s", what, type(failed).__name__, failed)
     _free(device)
     return attempt(False)
 
 
-def _again(held: Sequence[Programs | None], repeats: int) -> list[ProgramRuns | None]:
+def _again(held: Sequence[Programs | None], repeats: int, what: str) -> list[ProgramRuns | None]:
     """Every region's programs timed a second time, once all are compiled. The first timing of a region runs
     right after its compile, beside whatever the host still does (a compiler's workers, other ranks' compiles:
     a program whose launches outrun its kernels then runs slow), and one outlier skews the planner: a Llama's
@@ -106,7 +108,7 @@ def _again(held: Sequence[Programs | None], repeats: int) -> list[ProgramRuns | 
         try:
             out.append(programs.timed(repeats))
         except RuntimeError as err:
-            log.warning("a region's second timing failed (the first timings stand): %s: %s", type(err).__name__,
+            log.warning("%s: a second timing failed (the first timings stand): %s: %s", what, type(err).__name__,
                         err)
             return [None] * len(held)
     return out
@@ -130,16 +132,16 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _split_shares(ran: ProgramRuns, fused_sum: float, b_sum: float, w_sum: float) -> tuple[float, float]:
+def _split_shares(ran: ProgramRuns, fused_sum: float, b_sum: float, w_sum: float) -> tuple[float, float] | None:
     """Factors on a region's fused backward ratio that give B's and W's ops the seconds their own programs ran
     (`program_seconds(split=True)`), each a share of the fused backward's measured seconds: B's program over the
     fused one's, and W's. The whole model's calibrated ratio cannot tell B from W, and a compiler speeds them
     unevenly (a Llama's inductor-compiled block stages ran W 1.45-1.94 x and B 0.72-0.85 x what one ratio gave
     them, GPT's W 0.90-0.98 and B 0.96-1.06: 4 x H100, session 21's start-up measured scales); and apart they
     cost more than fused (a Llama's B + W 1.04-1.07 x its fused backward, 4 x H100, 2026-11-27), which a
-    schedule that splits them pays while one that fuses them does not (it takes `Span.backward`). (1, 1) where
-    a part is empty (the first region's B: no input grads) or was not measured."""
+    schedule that splits them pays while one that fuses them does not (it takes `Span.backward`). None where a
+    part is empty (the first region's B: no input grads; a piece without weights' W) or was not measured."""
     b_run, w_run, fused_run = ran.backward_input, ran.backward_weight, ran.backward
     if b_run is None or w_run is None or min(b_run, w_run, fused_run, b_sum, w_sum, fused_sum) <= 0:
-        return 1.0, 1.0
+        return None
     return b_run / fused_run * fused_sum / b_sum, w_run / fused_run * fused_sum / w_sum

@@ -219,7 +219,8 @@ def test_a_slow_first_round_does_not_set_the_program_time() -> None:
     assert 0.0095 < f < 0.016
 
 
-def _paced_programs(monkeypatch, sleep: Any) -> tuple[Any, list[float]]:  # type: ignore[no-untyped-def]
+def _paced_programs(monkeypatch, sleep: Any,  # type: ignore[no-untyped-def]
+                    queued: bool = False) -> tuple[Any, list[float]]:
     """Programs of a two-layer MLP built on the CPU and then taken for CUDA's (syncs a no-op, no settling, the
     device's spins recorded), their forward sleeping `sleep(spun)` seconds a run, `spun` whether a spin came."""
     import time
@@ -249,7 +250,7 @@ def _paced_programs(monkeypatch, sleep: Any) -> tuple[Any, list[float]]:  # type
 
     grads = {s: i for i, s in enumerate(ad.grad_slots[: g.num_params]) if s is not None}
     acc = tuple(k for k, slot in enumerate(ad.backward.out_slots) if slot in grads)
-    programs = C.Programs(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, paced)
+    programs = C.Programs(ad, torch.device("cpu"), [*params["layers"], x], acc, grads, paced, queued=queued)
     programs.device = SimpleNamespace(type="cuda")  # type: ignore[assignment]
     return programs, spins
 
@@ -274,7 +275,54 @@ def test_rounds_the_device_paces_are_timed_once(monkeypatch) -> None:  # type: i
     assert spins == [] and 0.0295 < f < 0.045
 
 
+def test_queued_programs_are_timed_behind_a_spin_from_the_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A block's piece (`queued`): timed once, behind a spin 1.25 x as long as its rounds' launches."""
+    programs, spins = _paced_programs(monkeypatch, lambda run, spun: 0.01, queued=True)
+    f = programs.timed(3).forward
+    assert len(spins) == 1 and spins[0] >= 1.25 * 3 * 0.01 and 0.0095 < f < 0.02
+
+
+def test_rounds_issued_slower_than_their_spin_are_timed_again_behind_a_longer_one(  # type: ignore[no-untyped-def]
+        monkeypatch) -> None:
+    """The host slows down after the warm rounds (other processes' compiles): the timed rounds take longer to
+    issue than the spin ahead of them lasts, so the device waited on them; they are timed again behind a spin
+    1.5 x their issue time."""
+    from engine.planning import calibration as C
+
+    programs, spins = _paced_programs(monkeypatch, lambda run, spun: 0.001 if run < C.WARM_ROUNDS else 0.02,
+                                      queued=True)
+    programs.timed(3)
+    assert len(spins) == 2 and spins[1] >= 1.5 * 3 * 0.02 > spins[0]
+
+
 def test_a_spin_is_nothing_off_cuda() -> None:
     from engine.planning.calibration import spin_device
 
     spin_device(torch.device("cpu"), 1.0)  # returns at once: no CUDA call
+
+
+def test_a_stage_whose_b_makes_a_norms_weight_grad_times_b_and_w_apart() -> None:
+    """GPT's LayerNorm: B makes the norm's weight grad and hands it to W, which adds it up (the runtime adds
+    nothing in B). The split programs run as the runtime runs them: every stage of a GPT cut anywhere times its
+    B and W apart (it failed on W's None input when B added that grad itself, and each region then fell back to
+    one ratio for B and W)."""
+    from torch.utils import _pytree as pytree
+
+    from engine.planning import calibration as C
+    from engine.planning.artifacts import autodiff
+    from examples import gpt_model
+
+    cfg = gpt_model.GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=4, head_dim=16, tied=False)
+    params = gpt_model.init_params(cfg)
+    tokens, targets = gpt_model.example_batch(cfg, 4)
+    g = ir.trace(gpt_model.make_loss_fn(cfg), params, tokens, targets)
+    inputs = pytree.tree_leaves((params, tokens, targets))
+    cal = C.calibrate_training(g, "cpu", repeats=1, inputs=inputs)
+    for cut in (18, 33, 48):
+        for stage in ir.split(g, [cut]):
+            ad = autodiff(stage, False, device="cpu")
+            sums = C.ops_sums(ad, stage.graph, cal)
+            ins = [inputs[i] for i in (*stage.param_ids, *stage.batch_ids)]
+            runs = C.Programs(ad, torch.device("cpu"), ins, sums.accumulate, sums.param_grads, ir.compile_graph,
+                              split=True).timed(1)
+            assert runs.backward_weight is not None and runs.backward_weight > 0, (cut, stage.start)

@@ -153,3 +153,37 @@ def test_with_regions_spreads_its_regions_and_an_older_format_is_measured_again(
     assert len(table.regions["fx"].spans) > 4  # more spans than the four regions: the kinds within each
     text = table.to_json().replace(', 5]', ', 4]')  # a table of the format before pieces
     assert Calibration.from_json(text).regions == {}
+
+
+def test_a_pass_some_kind_did_not_measure_is_left_as_the_region_has_it() -> None:
+    """A kind whose B and W were not timed apart (None) cannot be set against one whose were: B and W stay the
+    region's; F and the whole backward, measured for both, are spread."""
+    region = MeasuredScale(4, [Span(0, 4, 1.0, 0.8, 1.6, 1.0)])
+    out = spread(region, [0, 1, 0, 1], {0: (2.0, None, None, 2.0), 1: (1.0, 0.5, 1.5, 1.0)}, [1.0] * 4)
+    f, b, w, bw = out.columns()
+    assert f == pytest.approx([4 / 3, 2 / 3] * 2) and bw == pytest.approx([4 / 3, 2 / 3] * 2)
+    assert (b, w) == ([0.8] * 4, [1.6] * 4)
+
+
+def test_a_resnets_repeated_fragments_are_not_timed() -> None:
+    """A ResNet's pieces that repeat are single convolutions and BatchNorm fragments, each about 1 % of the
+    forward: together far under COVER of it, so no piece is timed and its regions stand."""
+    from engine.planning.pieces import COVER
+    from examples import resnet_model
+
+    fn, variables = engine.functionalize(resnet_model.WideResNet(50, 1, classes=10, base=8),
+                                         loss=torch.nn.functional.cross_entropy)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    g = ir.trace(fn, variables, x, y)
+    times = [float(ir.eqn_cost(e).flops + ir.eqn_cost(e).bytes) for e in g.eqns]
+    pieces = block_pieces(g)
+    counts: dict[int, int] = {}
+    for kind, _, _ in pieces:
+        counts[kind] = counts.get(kind, 0) + 1
+    assert sum(1 for kind, _, _ in pieces if counts[kind] >= 2) > 100  # pieces do repeat: fragments of blocks
+    assert timed_pieces(g, times) == []
+    with pytest.MonkeyPatch.context() as patch:  # without the cover rule it would time two of them
+        patch.setattr("engine.planning.pieces.COVER", 0.0)
+        chosen = timed_pieces(g, times)
+        assert len(chosen) >= 2 and sum(sum(times[s:e]) for k, s, e in pieces if k in {c[0] for c in chosen}) \
+            < COVER * sum(times)
