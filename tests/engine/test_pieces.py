@@ -187,3 +187,28 @@ def test_a_resnets_repeated_fragments_are_not_timed() -> None:
         chosen = timed_pieces(g, times)
         assert len(chosen) >= 2 and sum(sum(times[s:e]) for k, s, e in pieces if k in {c[0] for c in chosen}) \
             < COVER * sum(times)
+
+
+def test_a_hugging_face_llamas_attention_and_mlp_are_its_kinds_and_its_first_attention_is_likened() -> None:
+    """A model we did not write (transformers' Llama, 4 layers, random init): its middle blocks' attention and MLP
+    pieces are the kinds timed; its first attention, which also builds the rotary tables and the causal mask
+    (93 equations against 45), and its last MLP (one op more) are costed as them; the embedding and the head keep
+    their own kinds."""
+    from tests.models import zoo
+
+    transformers = zoo._quiet_transformers()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**zoo._LM, "num_hidden_layers": 4})
+    case = zoo.case("llama", transformers.LlamaForCausalLM(config), ("input_ids",), (zoo._ids(1), zoo._ids(1)),
+                    loss=zoo.next_token_loss, output="logits")
+    g = ir.trace(case.fn, case.params, *case.batch)
+    times = [float(ir.eqn_cost(e).flops + ir.eqn_cost(e).bytes) for e in g.eqns]
+    chosen = timed_pieces(g, times)
+    assert sorted(stop - start for _, start, stop in chosen) == [14, 45]
+    attention, mlp = (next(k for k, start, stop in chosen if stop - start == n) for n in (45, 14))
+    kinds = likened(g, chosen, times)
+    pieces = block_pieces(g)
+    blocks = [(kinds[start], stop - start) for _, start, stop in pieces if kinds[start] in (attention, mlp)]
+    assert blocks == [(attention, 93), (mlp, 14), (attention, 45), (mlp, 14), (attention, 45), (mlp, 14),
+                      (attention, 45), (mlp, 15)]
+    assert kinds[0] == pieces[0][0] and kinds[-1] == pieces[-1][0]
