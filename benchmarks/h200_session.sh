@@ -222,13 +222,13 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
               # zbv at p = 4 with CUDA graphs and without against compiled PyTorch 1F1B, both families: the
               # planner's prediction and the programs' from settled timings. ONE_GPU_LAYERS=16 adds each family's
               # one-GPU fnpipe rows (same compilers, or ONE_GPU_COMPILERS) for "of ideal" in the same launch
-              # (about 100 s more a family and compiler)
+              # (about 100 s more a family and compiler); WARMUP and STEPS: each row's steps before timing and timed
       fresh=/tmp/fnpipe_cal_fresh; mkdir -p "$fresh"
       bench "${BENCH_TIMEOUT:-520}" 4 29540 --budget "${BENCH_BUDGET:-490}" --families "$families" --calibrate "$fresh" \
         --one-gpu-layers "${ONE_GPU_LAYERS:-0}" --one-gpu-rows fnpipe --one-gpu-compilers "${ONE_GPU_COMPILERS:-}" \
         --compilers "${COMPILERS:-auto-graphs,auto}" \
         --schedules "${SCHEDULES:-zbv}" --torch-eager "" --torch-compiled 1f1b --torch-risky "" --timeout 240 \
-        --out-dir "$out"
+        --warmup "${WARMUP:-2}" --steps "${STEPS:-5}" --out-dir "$out"
       cp "$fresh"/cal_*.json "$out/" 2>/dev/null
       ;;
     fourplan)  # 4 GPUs: the planner on a fresh calibration's regions (B and W from their own programs, each region
