@@ -168,9 +168,10 @@ def _joint(g: Graph, diff_in: list[int], diff_out: list[int], device: str | None
     if joints is None:
         return _trace_joint(g, diff_in, diff_out, device)
     key = joint_key(g, diff_in, diff_out, device)
-    if key not in joints:
-        joints[key] = _trace_joint(g, diff_in, diff_out, device)
-    return joints[key]
+    found = joints.get(key)
+    if found is None:  # (a shared cache may keep it for a while only, or not at all)
+        found = joints[key] = _trace_joint(g, diff_in, diff_out, device)
+    return found
 
 
 def _own_grads(jg: Graph, n_outputs: int) -> Graph:

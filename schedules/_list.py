@@ -5,11 +5,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
+import attrs
+
 from schedules.action import Action, B, F, W
 from schedules.errors import ScheduleError
 from schedules.table import Table
 
-__all__ = ["Times", "list_schedule"]
+__all__ = ["Order", "Times", "list_schedule"]
 
 # (forward, backward_input, backward_weight) per stage, and the transfer time of each boundary
 Times = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]
@@ -21,12 +23,27 @@ _W_RANK: dict[str, tuple[tuple[int, int], tuple[int, int]] | tuple[()]] = {
 }
 
 
+@attrs.frozen
+class Order:
+    """A finished run's order (each rank's (kind, stage, microbatch) in turn) and makespan; `table()` makes the
+    Table, only for an order kept: a search runs hundreds and building each one's Actions was a tenth of it."""
+
+    stage_to_rank: tuple[int, ...]
+    num_microbatches: int
+    rows: list[list[Choice]] = attrs.field(eq=False, repr=False)
+    makespan: float
+
+    def table(self) -> Table:
+        rows = [[Action(s, kind, i) for kind, s, i in row] for row in self.rows]
+        return Table(len(self.stage_to_rank), self.num_microbatches, self.stage_to_rank, rows)
+
+
 def list_schedule(
     stage_to_rank: Sequence[int], num_microbatches: int, times: Times, *,
     live_limit: Sequence[int], key: Key, w_mode: str = "fill", patience: float = 0.0,
     reserve: str = "one", lead: Sequence[int] = (), bound: float = float("inf"),
-) -> tuple[Table, float] | None:
-    """The table a greedy list scheduler builds for these times, and its makespan.
+) -> Order | None:
+    """The order a greedy list scheduler builds for these times (its makespan: `Order.makespan`).
 
     Each stage runs its F, B and W in microbatch order. Whenever a rank is idle it starts, of the
     actions whose inputs have arrived (a dependency on another rank adds the boundary's transfer
@@ -38,14 +55,16 @@ def list_schedule(
     when a more urgent one arrives within ``patience`` times its duration. Weight passes
     (``w_mode``): "fill" starts one only when no F or B is ready (it fills what would be a
     bubble) or the rank is at its live limit, then in ``key`` order; "free" likewise, but at the
-    limit before anything (it frees room for the next forward); "key" by ``key`` alone. Rank ``r``
+    limit before anything (it frees room for the next forward); "key" by ``key`` alone.
     Rank ``r`` runs a stage's forwards at most ``lead[r]`` microbatches ahead of its next stage. ``simulate`` gives the
     table at most this makespan: it starts every action as soon as its rank and inputs allow.
-    None as soon as an action would end after ``bound`` (a search needs only better orders).
+    None as soon as an action would end after ``bound``, or its rank's work left would (a search needs only
+    better orders).
     Raises ScheduleError when the limits leave every rank waiting.
     """
     run = _Run(stage_to_rank, num_microbatches, times, live_limit, reserve)
     run.lead = list(lead) or [num_microbatches] * len(run.stages)
+    w_rank, look = _W_RANK[w_mode], patience > 0
     while run.remaining:
         if not run.events:
             raise ScheduleError(
@@ -56,19 +75,18 @@ def list_schedule(
             run.wake(now)
         if run.free_at[r] > now:
             continue
-        best, best_key, coming = run.choose(r, now, key, _W_RANK[w_mode], patience > 0)
-        soonest = min((at for at, _ in coming), default=-1.0)
+        if run.idle[r]:  # it found nothing ready nor coming, and no input of it has been produced since
+            run.wait(r)
+            continue
+        best, best_key, coming = run.choose(r, now, key, w_rank, look)
         duration = run.duration[best[0]][best[1]] if best is not None else 0.0
         if best is None or any(at < now + patience * duration and k < best_key for at, k in coming):
-            if soonest >= 0:
-                heapq.heappush(run.events, (soonest, r, False))
-            run.wait(r)  # an input whose producer ends meanwhile may come sooner
+            run.hold(r, coming)
             continue
-        if now + duration > bound:
-            return None
+        if now + duration > bound or now + run.left[r] > bound * (1 + 1e-9) + 1e-12:
+            return None  # it ends after bound, or this rank's work left does (margin: never for a tie, kept)
         run.start(r, now, best)
-    rows = [[Action(s, kind, i) for kind, s, i in row] for row in run.rows]  # only for a run that finished
-    return Table(len(stage_to_rank), num_microbatches, tuple(stage_to_rank), rows), run.makespan
+    return Order(tuple(stage_to_rank), num_microbatches, run.rows, run.makespan)
 
 
 class _Run:
@@ -93,6 +111,13 @@ class _Run:
         self.rows: list[list[Choice]] = [[] for _ in range(num_ranks)]
         self.events = [(0.0, r, False) for r in range(num_ranks)]  # (time, rank, an action of it ends)
         self.waiting: list[int] = []
+        # a rank that looked and found nothing ready nor coming finds the same until an action that makes one
+        # of its inputs starts (its end time is known from its start): F of the stage before, B of the stage after
+        self.idle = [False] * num_ranks
+        self.left = [m * sum(times[k][s] for k in range(3) for s in self.stages[r]) for r in range(num_ranks)]
+        self.feeds = {F: [stage_to_rank[s + 1] if s < self.last else -1 for s in range(num_stages)],
+                      B: [stage_to_rank[s - 1] if s > 0 else -1 for s in range(num_stages)],
+                      W: [-1] * num_stages}
         self.remaining, self.makespan = 3 * num_stages * m, 0.0
 
     def wait(self, r: int) -> None:
@@ -100,6 +125,16 @@ class _Run:
         actions of zero time (a stage without weights has no W) the copies multiplied at every end."""
         if r not in self.waiting:
             self.waiting.append(r)
+
+    def hold(self, r: int, coming: list[tuple[float, tuple[float, ...]]]) -> None:
+        """Rank ``r`` starts nothing now: it looks again when the soonest input coming arrives, and at the next end
+        (an input whose producer ends meanwhile may come sooner); with nothing coming (so nothing was ready either),
+        only once a producer of its inputs has started: until then every look finds the same nothing."""
+        if coming:
+            heapq.heappush(self.events, (min(at for at, _ in coming), r, False))
+        else:
+            self.idle[r] = True
+        self.wait(r)
 
     def wake(self, now: float) -> None:
         for other in self.waiting:
@@ -176,7 +211,12 @@ class _Run:
         kind, s, i = choice
         end = now + self.duration[kind][s]
         self.ended[kind][s][i], self.free_at[r] = end, end
+        self.left[r] -= self.duration[kind][s]
         self.next[kind][s] += 1
+        self.idle[r] = False
+        fed = self.feeds[kind][s]
+        if fed >= 0:
+            self.idle[fed] = False
         self.live[r] += (kind == F) - (kind == W)
         self.rows[r].append(choice)
         self.remaining -= 1

@@ -54,7 +54,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 
-from schedules._list import Key, Times, list_schedule
+from schedules._list import Key, Order, Times, list_schedule
 from schedules.action import Action, B, F, W
 from schedules.costs import Costs
 from schedules.errors import ScheduleError
@@ -195,7 +195,7 @@ def build_from_costs(
             except ScheduleError:
                 continue
             if done is not None:
-                tried.append((done[1], len(seeds) + len(tried), done[0], policy))
+                tried.append((done.makespan, len(seeds) + len(tried), done, policy))
 
     def best(count: int) -> list[dict[str, object]]:
         return [policy for *_, policy in sorted(tried, key=lambda r: r[:2])[:count]]
@@ -215,13 +215,14 @@ def build_from_costs(
 
 def _best(found: list, tried: list, live_limit: tuple[int, ...], stage_to_rank: tuple[int, ...]) -> Table:
     """The fastest of the seeds (`found`) and the searched orders (`tried`); ties keep the earlier one."""
-    found = found + [(span, n, table) for span, n, table, _ in tried]
+    found = found + [(span, n, order) for span, n, order, _ in tried]
     if not found:
         local = max(_chunk_of(stage_to_rank)) + 1
         raise ScheduleError(
             f"no order fits max_live {list(live_limit)} with stages on ranks {list(stage_to_rank)}; "
             f"allow at least {local} live stage-microbatches per rank")
-    return min(found, key=lambda r: r[:2])[2]
+    kept = min(found, key=lambda r: r[:2])[2]
+    return kept.table() if isinstance(kept, Order) else kept
 
 
 

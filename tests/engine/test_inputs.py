@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import engine
 from tests.engine.ranks import on_threads
 from engine.execution.inprocess import build_steps
+from engine.execution import inputs
 from engine.execution.inputs import fingerprints
 from engine.execution.step import Step
 
@@ -59,6 +60,20 @@ def test_equal_tensors_print_alike_and_one_changed_or_swapped_element_does_not(d
     swapped = x.clone()
     swapped[[i, j]] = x[[j, i]]
     assert torch.equal(fingerprints([swapped])[0], same[0]) == bool(x[i] == x[j])
+
+
+def test_small_leaves_printed_together_equal_each_printed_alone() -> None:
+    """fingerprints() sums small leaves in one pass (running sums over their words, wrapping): the same rows as
+    each leaf alone, whatever its dtype, layout or size, and beside a leaf large enough to go alone."""
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(16, 16, generator=g, dtype=torch.float64), torch.randint(-2**62, 2**62, (999,), generator=g),
+              torch.randn(3, generator=g).to(torch.bfloat16), torch.ones(2, dtype=torch.bool), torch.zeros(0),
+              torch.randn(5, 3, generator=g).t(), torch.full((3,), -1, dtype=torch.int32), torch.zeros(()),
+              torch.randn(inputs._SMALL + 5, generator=g)]
+    alone = torch.stack([inputs._fingerprint(x) for x in leaves])
+    assert torch.equal(fingerprints(leaves)[:, 1:], alone)
+    assert torch.equal(inputs._fingerprint_together(leaves), alone)
+    assert len({tuple(r) for r in alone.tolist()}) == len(leaves) - 1  # only the two empty-valued leaves alike
 
 
 def test_leaves_without_data_print_as_absent() -> None:

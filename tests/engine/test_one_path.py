@@ -32,7 +32,8 @@ def two_ranks() -> str:
 @pytest.mark.mpi
 def test_parallelize_traces_once_differentiates_each_stage_once_and_emits_only_its_rank(two_ranks: str) -> None:
     recs = _records(two_ranks)
-    assert set(recs) == {(r, c) for r in range(2) for c in ("given_cuts", "split_by_the_planner")}, two_ranks
+    assert set(recs) == {(r, c) for r in range(2) for c in ("given_cuts", "split_by_the_planner", "given_cuts_again")}, \
+        two_ranks
     for rank in range(2):
         given = recs[(rank, "given_cuts")]
         assert given["num_stages"] == 2
@@ -50,7 +51,10 @@ def test_parallelize_traces_once_differentiates_each_stage_once_and_emits_only_i
         # stages run the same; no joint is traced twice
         assert auto["stage_autodiff"] <= 2 * auto["distinct_stage_autodiff"], auto
         assert auto["trace_joint"] == auto["distinct_trace_joint"] > 0, auto
-    assert two_ranks.count("OK rank") == 4, two_ranks
+        # the same model planned again in the process: its stages differentiated, no joint traced (shared joints)
+        again = recs[(rank, "given_cuts_again")]
+        assert again.get("trace_joint", 0) == 0 and again["stage_autodiff"] == given["stage_autodiff"], (again, given)
+    assert two_ranks.count("OK rank") == 6, two_ranks
 
 
 def test_the_counter_sees_a_second_trace() -> None:

@@ -22,6 +22,7 @@ import engine.execution.assemble as assemble_mod  # noqa: E402
 import ir  # noqa: E402
 import ir.autodiff as ir_autodiff  # noqa: E402
 import schedules  # noqa: E402
+from engine.planning.joints import JOINTS  # noqa: E402
 
 
 def mlp_loss(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -74,8 +75,11 @@ def main() -> None:
     params = {"layers": [torch.randn(16, 16, dtype=torch.float64) / 4 for _ in range(3)]}
     x, y = torch.randn(32, 16, dtype=torch.float64), torch.randn(32, 16, dtype=torch.float64)
     graph = ir.trace(mlp_loss, params, x[:8], y[:8])
-    cases = {"given cuts": dict(cuts=[len(graph.eqns) // 2]), "split by the planner": {}}
+    cases = {"given cuts": dict(cuts=[len(graph.eqns) // 2]), "split by the planner": {},
+             "given cuts again": dict(cuts=[len(graph.eqns) // 2])}  # the process's joints kept: none traced
     for name, options in cases.items():
+        if not name.endswith("again"):
+            JOINTS.clear()  # each of the first two counts its own joints
         c = counting()
         try:
             step = engine.parallelize(mlp_loss, params, x, y, schedule="1f1b", microbatches=4, stages=2, timeout=60,

@@ -76,8 +76,7 @@ def test_list_schedule_makespan_bounds_the_simulation() -> None:
     for key in _keys(placement)[:6]:
         done = list_schedule(placement, 6, times, live_limit=(4, 4), key=key, lead=(3, 1))
         assert done is not None
-        table, span = done
-        assert schedules.simulate(table, costs_of(times)).makespan <= span
+        assert schedules.simulate(done.table(), costs_of(times)).makespan <= done.makespan
 
 
 def test_list_schedule_events_stay_linear_with_free_actions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,7 +99,7 @@ def test_list_schedule_events_stay_linear_with_free_actions(monkeypatch: pytest.
     for key in _keys(placement)[:2]:
         pushed[0] = 0
         done = list_schedule(placement, m, times, live_limit=(8,) * 4, key=key)
-        assert done is not None and schedules.simulate(done[0], costs_of(times)).makespan <= done[1] <= 26.2
+        assert done is not None and schedules.simulate(done.table(), costs_of(times)).makespan <= done.makespan <= 26.2
         assert pushed[0] <= 3 * len(placement) * m * (4 + 2), pushed[0]  # 3 S m actions, 4 ranks
 
 
