@@ -83,10 +83,9 @@ def program_digest(g: Graph) -> str:
     print as their type alone). Graphs with equal digests compute the same function of their inputs; two
     that print alike can differ in a constant (BatchNorm's running statistics in eval mode, say)."""
     digest = hashlib.sha256(format_graph(g).encode())
-    for e in g.eqns:
-        for x in pytree.tree_leaves((e.args, [v for _, v in e.kwargs])):
-            if isinstance(x, Literal) and isinstance(x.value, torch.Tensor):
-                t = x.value.detach().cpu().contiguous().reshape(-1)
-                digest.update(f"{t.dtype}{tuple(x.value.shape)}".encode())
-                digest.update(t.view(torch.uint8).numpy().tobytes())
+    for x in [*pytree.tree_leaves([(e.args, [v for _, v in e.kwargs]) for e in g.eqns]), *g.outputs]:
+        if isinstance(x, Literal) and isinstance(x.value, torch.Tensor):  # an output may be a constant too
+            t = x.value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{t.dtype}{tuple(x.value.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

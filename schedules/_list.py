@@ -60,7 +60,7 @@ def list_schedule(
     table at most this makespan: it starts every action as soon as its rank and inputs allow.
     None as soon as an action would end after ``bound``, or its rank's work left would (a search needs only
     better orders).
-    Raises ScheduleError when the limits leave every rank waiting.
+    Raises ScheduleError when the limits leave every rank waiting (unless the run was abandoned first).
     """
     run = _Run(stage_to_rank, num_microbatches, times, live_limit, reserve)
     run.lead = list(lead) or [num_microbatches] * len(run.stages)

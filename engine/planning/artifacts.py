@@ -33,7 +33,7 @@ from ir.autodiff import diff_positions, joint_key, recompute_level
 
 from ..errors import PlanError
 from .blocks import crossing_bytes, module_cuts
-from .joints import JOINTS
+from .joints import JOINTS, WorkshopJoints
 from .plan import Plan
 from .rows import check_plan
 
@@ -111,7 +111,7 @@ class Workshop:
         self._mixed: dict[int, ir.MixedRows | None] = {}
         self._ads: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike: dict[tuple[Any, ...], ir.StageAD] = {}
-        self._joints = JOINTS  # traced joints, shared by a stage's recompute levels and by every Workshop
+        self._joints = WorkshopJoints(JOINTS)  # traced joints: of a stage's recompute levels, and the process's
         # blocks as pieces, joints stitched from theirs, the programs of those: for costing (`costing`)
         self._pieces: dict[tuple[int, tuple[int, ...]], dict[int, tuple[int, stitch.Piece]]] = {}
         self._stitched: dict[Any, ir.Graph | None] = {}  # (joint key, pieces' bounds) -> joint; None: not stitchable

@@ -6,7 +6,7 @@ import torch
 import ir
 import ir.autodiff as ir_autodiff
 from engine.planning import joints as joints_mod
-from engine.planning.joints import JOINTS, SharedJoints
+from engine.planning.joints import JOINTS, SharedJoints, WorkshopJoints
 from engine.planning.search import search
 from tests.mpi.passes import mlp_loss
 
@@ -55,3 +55,43 @@ def test_the_table_keeps_the_most_recently_used_and_no_graph_with_big_constants(
     assert joints_mod._constant_bytes(big) == 6400
     table["big"] = big
     assert table.get("big") is None and len(table) == 2
+
+
+def test_a_joint_traced_under_other_attention_kernels_is_not_found() -> None:
+    """A traced scaled_dot_product_attention becomes the kernel the settings allow (sdpa_kernel): a joint is kept
+    under the settings it was traced in, and a table under other settings traces afresh."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attention(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q = (x @ w).reshape(1, 2, 8, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).sum()
+
+    w, x = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    g = ir.trace(attention, w, x)
+    table = SharedJoints()
+    joint = ir_autodiff._joint(g, [0], [0], "cpu", table)
+    assert table.get(ir_autodiff.joint_key(g, [0], [0], "cpu")) is joint
+    with sdpa_kernel(SDPBackend.MATH):
+        assert table.get(ir_autodiff.joint_key(g, [0], [0], "cpu")) is None
+        math = ir_autodiff._joint(g, [0], [0], "cpu", table)
+    ops = lambda j: {e.op for e in j.eqns}  # noqa: E731
+    assert any("flash" in op for op in ops(joint)) and not any("flash" in op for op in ops(math)), (ops(joint), ops(math))
+
+
+def test_a_workshop_keeps_the_joints_the_process_declines(monkeypatch) -> None:
+    monkeypatch.setattr(joints_mod, "CONSTANT_BYTES", 1000)
+    const = torch.randn(200, 4, dtype=torch.float64)
+    g = ir.trace(lambda p, x: ((x @ const.T) * p).sum(), torch.ones(200, dtype=torch.float64),
+                 torch.ones(2, 4, dtype=torch.float64))
+    shared = SharedJoints()
+    mine, other = WorkshopJoints(shared), WorkshopJoints(shared)
+    joint = ir_autodiff._joint(g, [0], [0], "cpu", mine)
+    key = ir_autodiff.joint_key(g, [0], [0], "cpu")
+    assert mine.get(key) is joint and shared.get(key) is None and other.get(key) is None
+
+
+def test_graphs_that_differ_only_in_a_constant_output_digest_apart() -> None:
+    a, b = torch.zeros(8), torch.full((8,), 7.0)
+    ga = ir.trace(lambda p, x: ((x * p).sum(), a), torch.ones(8), torch.ones(8))
+    gb = ir.trace(lambda p, x: ((x * p).sum(), b), torch.ones(8), torch.ones(8))
+    assert ir.format_graph(ga) == ir.format_graph(gb) and ir.program_digest(ga) != ir.program_digest(gb)
