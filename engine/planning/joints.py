@@ -35,7 +35,20 @@ def tracing_context() -> tuple[Any, ...]:
     return tuple(getattr(cuda, flag)() if hasattr(cuda, flag) else None for flag in flags)
 
 
-class SharedJoints:
+class _ByGet:
+    """`in` and `[]` of a joints table, through the `get` of the class that takes it on."""
+
+    def __contains__(self, key: Any) -> bool:
+        return self.get(key) is not None
+
+    def __getitem__(self, key: Any) -> ir.Graph:
+        found = self.get(key)
+        if found is None:
+            raise KeyError(key)
+        return found
+
+
+class SharedJoints(_ByGet):
     """A bounded, locked mapping joint key -> traced joint, each kept under the tracing context it was traced in
     (`tracing_context`): a joint traced under other attention settings is not found."""
 
@@ -50,15 +63,6 @@ class SharedJoints:
             if found is not None:
                 self._joints.move_to_end(key)
             return default if found is None else found
-
-    def __contains__(self, key: Any) -> bool:
-        return self.get(key) is not None
-
-    def __getitem__(self, key: Any) -> ir.Graph:
-        found = self.get(key)
-        if found is None:
-            raise KeyError(key)
-        return found
 
     def __setitem__(self, key: Any, joint: ir.Graph) -> None:
         if _constant_bytes(joint) > CONSTANT_BYTES:
@@ -85,7 +89,7 @@ def _constant_bytes(g: ir.Graph) -> int:
                if isinstance(x, ir.Literal) and isinstance(x.value, torch.Tensor))
 
 
-class WorkshopJoints:
+class WorkshopJoints(_ByGet):
     """One Workshop's joints: all it traced (as before sharing), and those of the process (`JOINTS`) it may use."""
 
     def __init__(self, shared: SharedJoints) -> None:
@@ -98,15 +102,6 @@ class WorkshopJoints:
             if found is not None:
                 self.own[key] = found
         return default if found is None else found
-
-    def __contains__(self, key: Any) -> bool:
-        return self.get(key) is not None
-
-    def __getitem__(self, key: Any) -> ir.Graph:
-        found = self.get(key)
-        if found is None:
-            raise KeyError(key)
-        return found
 
     def __setitem__(self, key: Any, joint: ir.Graph) -> None:
         self.own[key] = joint
