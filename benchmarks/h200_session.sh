@@ -73,15 +73,18 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
   case $part in
     two)  # at most 440 + 120 s: the budgets end each launch in time, `timeout` is the backstop
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-      # TWO_LIMIT, COMPILERS, SCHEDULES, TORCH_EAGER, TORCH_COMPILED, TORCH_RISKY trim the first launch
+      # TWO_LIMIT, COMPILERS, SCHEDULES, TORCH_EAGER, TORCH_COMPILED, TORCH_RISKY trim the first launch;
+      # WARMUP and STEPS as fourcal's; WARM=0 leaves out the warm restart
       limit=${TWO_LIMIT:-470}
       bench "$limit" 2 29514 --budget $((limit - 40)) --families "$families" --calibrate "$cal" --one-gpu-layers 0 \
-        --timeout 300 --compilers "${COMPILERS:-auto,fx}" --schedules "${SCHEDULES:-1f1b,zb-h1,interleaved-1f1b,zbv}" \
+        --timeout 300 --warmup "${WARMUP:-2}" --steps "${STEPS:-5}" --compilers "${COMPILERS:-auto,fx}" \
+        --schedules "${SCHEDULES:-1f1b,zb-h1,interleaved-1f1b,zbv}" \
         --torch-eager "${TORCH_EAGER-1f1b}" --torch-compiled "${TORCH_COMPILED-1f1b,gpipe,interleaved-1f1b}" \
         --torch-risky "${TORCH_RISKY-zb-h1,zbv,interleaved-zb}" --out-dir "$out"
       # warm restart: the compile cache and calibration tables the launch above left, fnpipe's default only
-      mkdir -p "$out/warm"
-      bench 130 2 29515 --budget 115 --min-row 20 --families "$families" --calibrate "$cal" --schedules 1f1b --compilers auto \
+      [ "${WARM:-1}" = 0 ] || mkdir -p "$out/warm"
+      [ "${WARM:-1}" = 0 ] || bench 130 2 29515 --budget 115 --min-row 20 --families "$families" --calibrate "$cal" \
+        --schedules 1f1b --compilers auto \
         --torch-eager "" --torch-compiled "" --torch-risky "" --one-gpu-layers 0 --warmup 1 --steps 3 --out-dir "$out/warm"
       ;;
     warm)  # 2 GPUs: fnpipe's default 1f1b launched on a cold compile cache, then twice warm (the cache and the
@@ -98,7 +101,9 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
       ;;
     one)
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-      timeout 560 python3 benchmarks/gpu_pipeline.py --single --budget 530 --families "$families" --one-gpu-layers 8 \
+      limit=${ONE_LIMIT:-560}  # ONE_LIMIT trims it to what a session's device time has left
+      timeout "$limit" python3 benchmarks/gpu_pipeline.py --single --budget $((limit - 30)) --families "$families" \
+        --one-gpu-layers 8 \
         --calibrate "$cal" --out-dir "$out"
       ;;
     profile)
