@@ -33,7 +33,7 @@ from ir.autodiff import diff_positions, joint_key, recompute_level
 
 from ..errors import PlanError
 from .blocks import crossing_bytes, module_cuts
-from .joints import JOINTS, WorkshopJoints
+from .joints import JOINTS, STITCHED, Stitched, WorkshopJoints
 from .plan import Plan
 from .rows import check_plan
 
@@ -114,12 +114,11 @@ class Workshop:
         self._joints = WorkshopJoints(JOINTS)  # traced joints: of a stage's recompute levels, and the process's
         # blocks as pieces, joints stitched from theirs, the programs of those: for costing (`costing`)
         self._pieces: dict[tuple[int, tuple[int, ...]], dict[int, tuple[int, stitch.Piece]]] = {}
-        self._stitched: dict[Any, ir.Graph | None] = {}  # (joint key, pieces' bounds) -> joint; None: not stitchable
+        self._stitched = WorkshopJoints(STITCHED)  # (joint key, pieces' bounds) -> Stitched, and the process's
         self._costed: dict[tuple[Any, ...], ir.StageAD] = {}
         self._alike_costed: dict[tuple[Any, ...], ir.StageAD] = {}
         # the programs a plan's stages run (`running`): stitched on bounds from the graph and the plan's cuts
         self._running: dict[tuple[Any, ...], ir.StageAD] = {}
-        self._runs: dict[Any, bool] = {}  # stitched joint's key -> it runs on the stage's strides (`check_runs`)
         self._alike_running: dict[tuple[Any, ...], ir.StageAD] = {}
 
     def graph(self, size: int) -> ir.Graph:
@@ -237,21 +236,24 @@ class Workshop:
         constant, aux = stage_constants(stage)
         diff_in, diff_out = diff_positions(stage.graph, constant, aux)
         key = joint_key(stage.graph, diff_in, diff_out, self.device)
-        if (key, inside) not in self._stitched:
-            try:
-                joints = [stitch.piece_joint(p, self.device, self._joints) for p in pieces]
-                self._stitched[(key, inside)] = stitch.stitched_joint(stage, pieces, joints, diff_in, diff_out)
-            except stitch.NotStitchable:
-                self._stitched[(key, inside)] = None
-            except Exception as why:  # noqa: BLE001 -- a piece's trace an op refuses: the stage's own trace decides
-                log.info("a stage's joint is traced whole: a piece of it failed to trace (%s)", str(why)[:300])
-                self._stitched[(key, inside)] = None
-        joint = self._stitched[(key, inside)]
-        if joint is not None and run:
-            if (key, inside) not in self._runs:
-                self._runs[(key, inside)] = _runs(joint, self.device)
-            joint = joint if self._runs[(key, inside)] else None
+        found = self._stitched.get((key, inside))
+        if found is None:
+            found = self._stitched[(key, inside)] = Stitched(self._stitched_joint(stage, pieces, diff_in, diff_out))
+        if found.joint is not None and run and found.runs is None:
+            found = self._stitched[(key, inside)] = attrs.evolve(found, runs=_runs(found.joint, self.device))
+        joint = found.joint if found.runs or not run else None
         return None if joint is None else autodiff(stage, level, device=self.device, joints={key: joint})
+
+    def _stitched_joint(self, stage: ir.Stage, pieces: Sequence[stitch.Piece], diff_in: Sequence[int],
+                        diff_out: Sequence[int]) -> ir.Graph | None:
+        try:
+            joints = [stitch.piece_joint(p, self.device, self._joints) for p in pieces]
+            return stitch.stitched_joint(stage, pieces, joints, diff_in, diff_out)
+        except stitch.NotStitchable:
+            return None
+        except Exception as why:  # noqa: BLE001 -- a piece's trace an op refuses: the stage's own trace decides
+            log.info("a stage's joint is traced whole: a piece of it failed to trace (%s)", str(why)[:300])
+            return None
 
     def stages(self, size: int, cuts: Sequence[int], recompute: Sequence[bool | str] = (),
                remat: Sequence[bool] = ()) -> tuple[StageInfo, ...]:

@@ -9,21 +9,29 @@ table can serve them all: bounded
 (least recently used out), locked (the in-process runtime plans on threads), keyed also by the settings a trace
 reads (`tracing_context`: the attention kernels allowed), and holding no joint whose graph carries large constant
 tensors (a model's tables captured as constants stay with their Workshop alone: `WorkshopJoints`).
+
+The joints stitched from those (`ir.stitch`: a stage's joint made of its pieces' traced ones) and whether each runs
+on its stage's strides (`stitch.check_runs`, an interpretation on fake tensors) are shared alike (`STITCHED`): the
+in-process harness plans each hypothesis example in a Workshop of its own, and stitching and checking again what
+an earlier example had made was a fifth of a property test's time. A stitched joint is keyed as the Workshop keys
+it (the stage graph's joint key and its pieces' bounds), and that table is bounded by the equations it holds.
 """
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any
+from typing import Any, Callable
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 import ir
 
-__all__ = ["JOINTS", "SharedJoints", "WorkshopJoints", "tracing_context"]
+__all__ = ["JOINTS", "STITCHED", "SharedJoints", "Stitched", "WorkshopJoints", "tracing_context"]
 
 SIZE = 256  # joints kept (a block's joint is a few hundred equations)
+STITCHED_EQNS = 200_000  # equations of the stitched joints kept (a stage of a 70 B plan: some thousands)
 CONSTANT_BYTES = 1 << 20  # a graph whose tensor constants hold more is not kept
 
 
@@ -50,13 +58,14 @@ class _ByGet:
 
 class SharedJoints(_ByGet):
     """A bounded, locked mapping joint key -> traced joint, each kept under the tracing context it was traced in
-    (`tracing_context`): a joint traced under other attention settings is not found."""
+    (`tracing_context`): a joint traced under other attention settings is not found. Bounded by `size` in all
+    of `weight` (one a joint: a count), the least recently used out first."""
 
-    def __init__(self, size: int = SIZE) -> None:
-        self.size, self._lock = size, threading.Lock()
-        self._joints: collections.OrderedDict[Any, ir.Graph] = collections.OrderedDict()
+    def __init__(self, size: int = SIZE, weight: Callable[[Any], int] = lambda _: 1) -> None:
+        self.size, self.weight, self._lock, self._held = size, weight, threading.Lock(), 0
+        self._joints: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
-    def get(self, key: Any, default: ir.Graph | None = None) -> ir.Graph | None:
+    def get(self, key: Any, default: Any = None) -> Any:
         key = (key, tracing_context())
         with self._lock:
             found = self._joints.get(key)
@@ -64,15 +73,19 @@ class SharedJoints(_ByGet):
                 self._joints.move_to_end(key)
             return default if found is None else found
 
-    def __setitem__(self, key: Any, joint: ir.Graph) -> None:
-        if _constant_bytes(joint) > CONSTANT_BYTES:
+    def __setitem__(self, key: Any, joint: Any) -> None:
+        graph = joint.joint if isinstance(joint, Stitched) else joint
+        if graph is not None and _constant_bytes(graph) > CONSTANT_BYTES:
             return
-        key = (key, tracing_context())
+        key, weight = (key, tracing_context()), self.weight(joint)
         with self._lock:
+            if key in self._joints:
+                self._held -= self.weight(self._joints[key])
             self._joints[key] = joint
             self._joints.move_to_end(key)
-            while len(self._joints) > self.size:
-                self._joints.popitem(last=False)
+            self._held += weight
+            while self._held > self.size and self._joints:
+                self._held -= self.weight(self._joints.popitem(last=False)[1])
 
     def __len__(self) -> int:
         return len(self._joints)
@@ -80,6 +93,20 @@ class SharedJoints(_ByGet):
     def clear(self) -> None:
         with self._lock:
             self._joints.clear()
+            self._held = 0
+
+
+@attrs.frozen
+class Stitched:
+    """A stage's joint stitched from its pieces' (None: it is not theirs, the stage is traced whole), and whether
+    it runs on the stage's strides (`stitch.check_runs`; None: not asked yet, costing needs no run)."""
+
+    joint: ir.Graph | None
+    runs: bool | None = None
+
+    @property
+    def equations(self) -> int:
+        return 1 + (0 if self.joint is None else len(self.joint.eqns))
 
 
 def _constant_bytes(g: ir.Graph) -> int:
@@ -95,7 +122,7 @@ class WorkshopJoints(_ByGet):
     def __init__(self, shared: SharedJoints) -> None:
         self.shared, self.own = shared, {}
 
-    def get(self, key: Any, default: ir.Graph | None = None) -> ir.Graph | None:
+    def get(self, key: Any, default: Any = None) -> Any:
         found = self.own.get(key)
         if found is None:
             found = self.shared.get(key)
@@ -103,9 +130,10 @@ class WorkshopJoints(_ByGet):
                 self.own[key] = found
         return default if found is None else found
 
-    def __setitem__(self, key: Any, joint: ir.Graph) -> None:
+    def __setitem__(self, key: Any, joint: Any) -> None:
         self.own[key] = joint
         self.shared[key] = joint  # which may decline it (large constants): this Workshop keeps it all the same
 
 
 JOINTS = SharedJoints()
+STITCHED = SharedJoints(STITCHED_EQNS, weight=lambda s: s.equations)

@@ -1,4 +1,5 @@
-"""The process's traced joints: a model planned again traces none, the table stays bounded, big constants stay out."""
+"""The process's traced and stitched joints: a model planned again traces, stitches and checks none again, the
+tables stay bounded, big constants stay out."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +7,7 @@ import torch
 import ir
 import ir.autodiff as ir_autodiff
 from engine.planning import joints as joints_mod
-from engine.planning.joints import JOINTS, SharedJoints, WorkshopJoints
+from engine.planning.joints import JOINTS, STITCHED, SharedJoints, Stitched, WorkshopJoints
 from engine.planning.search import search
 from tests.mpi.passes import mlp_loss
 
@@ -30,13 +31,13 @@ def test_a_model_planned_again_traces_no_joint_and_runs_the_same_programs(monkey
     torch.manual_seed(0)
     params = {"layers": [torch.randn(16, 16, dtype=torch.float64) / 4 for _ in range(4)]}
     x, y = torch.randn(32, 16, dtype=torch.float64), torch.randn(32, 16, dtype=torch.float64)
-    JOINTS.clear()
+    JOINTS.clear(), STITCHED.clear()
     first, programs = _planned(monkeypatch, params, x, y, schedule="1f1b")
     again, same = _planned(monkeypatch, params, x, y, schedule="1f1b")
     other, _ = _planned(monkeypatch, params, x, y, schedule="zb-h1")  # another schedule: the same blocks
     assert first > 0 and again == 0 and other == 0 and same == programs, (first, again, other)
-    JOINTS.clear()
-    assert _planned(monkeypatch, params, x, y, schedule="1f1b")[0] == first  # the count is the cache's doing
+    JOINTS.clear(), STITCHED.clear()
+    assert _planned(monkeypatch, params, x, y, schedule="1f1b")[0] == first  # the count is the tables' doing
 
 
 def test_the_table_keeps_the_most_recently_used_and_no_graph_with_big_constants(monkeypatch) -> None:
@@ -95,3 +96,45 @@ def test_graphs_that_differ_only_in_a_constant_output_digest_apart() -> None:
     ga = ir.trace(lambda p, x: ((x * p).sum(), a), torch.ones(8), torch.ones(8))
     gb = ir.trace(lambda p, x: ((x * p).sum(), b), torch.ones(8), torch.ones(8))
     assert ir.format_graph(ga) == ir.format_graph(gb) and ir.program_digest(ga) != ir.program_digest(gb)
+
+
+def test_a_model_planned_again_stitches_and_checks_no_joint_again(monkeypatch) -> None:
+    """The in-process harness plans each example in a Workshop of its own: the stitched joints (and their check on
+    the stage's strides) of an earlier Workshop serve it, and the programs are the same."""
+    from engine.execution.inprocess import build_steps
+    from engine.planning.plan import Plan, StagePlan
+    from ir import stitch
+
+    torch.manual_seed(0)
+    params = {"layers": [torch.randn(16, 16, dtype=torch.float64) / 4 for _ in range(4)]}
+    x, y = torch.randn(32, 16, dtype=torch.float64), torch.randn(32, 16, dtype=torch.float64)
+    n = len(ir.trace(mlp_loss, params, x[:8], y[:8]).eqns)
+    plan = Plan("1f1b", 2, 2, 1, 4, (n // 2,), tuple(StagePlan(k, 0, 0, k) for k in range(2)))
+    calls = {"stitched_joint": 0, "check_runs": 0}
+    for name in calls:
+        real = getattr(stitch, name)
+        monkeypatch.setattr(stitch, name, lambda *a, _real=real, _name=name, **kw: (
+            calls.__setitem__(_name, calls[_name] + 1), _real(*a, **kw))[1])
+
+    def programs() -> list[str]:
+        steps = build_steps(mlp_loss, params, (x, y), plan)
+        return [str(s.ad.forward) + str(s.ad.backward_input) + str(s.ad.backward_weight)
+                for s in steps[0].planned.stages]
+
+    JOINTS.clear(), STITCHED.clear()
+    first, made = programs(), dict(calls)
+    again = programs()
+    assert made["stitched_joint"] > 0 and made["check_runs"] > 0, made
+    assert calls == made and again == first, (calls, made)  # nothing stitched or checked the second time
+    STITCHED.clear()
+    programs()
+    assert calls["stitched_joint"] == 2 * made["stitched_joint"]  # the count is the table's doing
+
+
+def test_the_stitched_table_is_bounded_by_the_equations_it_holds() -> None:
+    g = ir.trace(lambda p, x: (x * p).sin().sum(), torch.ones(4), torch.ones(4))
+    table = SharedJoints(size=2 * (1 + len(g.eqns)), weight=lambda s: s.equations)
+    table["a"], table["b"], table["none"] = Stitched(g), Stitched(g, runs=True), Stitched(None)
+    assert "a" not in table and table["b"].runs and table["none"].joint is None  # a None weighs one equation
+    table["b"] = Stitched(g, runs=False)  # replaced: its weight counted once
+    assert len(table) == 2 and table["b"].runs is False and table._held == 2 + len(g.eqns)

@@ -117,7 +117,8 @@ def test_stitched_joint_computes_the_traced_joint(name: str) -> None:
     shop, g, _, bounds = _setup(name)
     stage = ir.split(g, (bounds[len(bounds) // 2],))[1 if name == "mlp" else 0]
     shop.costing(2, stage, False, bounds)
-    (joint,) = shop._stitched.values()
+    (found,) = shop._stitched.own.values()
+    joint = found.joint
     traced = ir.autodiff._trace_joint(stage.graph, *_diff(stage), "cpu")
     assert len(joint.inputs) == len(traced.inputs) and len(joint.outputs) == len(traced.outputs)
     gen = torch.Generator().manual_seed(1)

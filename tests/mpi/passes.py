@@ -22,7 +22,7 @@ import engine.execution.assemble as assemble_mod  # noqa: E402
 import ir  # noqa: E402
 import ir.autodiff as ir_autodiff  # noqa: E402
 import schedules  # noqa: E402
-from engine.planning.joints import JOINTS  # noqa: E402
+from engine.planning.joints import JOINTS, STITCHED  # noqa: E402
 
 
 def mlp_loss(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -80,6 +80,7 @@ def main() -> None:
     for name, options in cases.items():
         if not name.endswith("again"):
             JOINTS.clear()  # each of the first two counts its own joints
+            STITCHED.clear()
         c = counting()
         try:
             step = engine.parallelize(mlp_loss, params, x, y, schedule="1f1b", microbatches=4, stages=2, timeout=60,
