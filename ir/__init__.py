@@ -12,7 +12,7 @@ from .deferred import Deferred, deferred, deferred_of
 from .costs import EqnCost, eqn_cost, format_costs, graph_costs
 from .errors import IRError, TraceError
 from .evaluate import evaluate, interpret
-from .liveness import RunBytes, run_bytes
+from .liveness import RunBytes, output_storage, run_bytes
 from .loss import aux_names, check_loss, returns_aux
 from .printer import format_graph, program_digest
 from .slicing import Stage, slice_graph, split

@@ -35,6 +35,30 @@ def allocates(op: str) -> bool:
     return not (base_name(op) in ALIASING or is_view(resolve(op)))
 
 
+def output_storage(g: Graph) -> tuple[tuple[int, int] | None, ...]:
+    """Per output of `g`: (the first output position on the same storage, that storage's bytes) where the run
+    makes the storage, None for a literal or an output on an input's storage. Outputs that are views of one
+    value (a Linear's `view(x, [b*t, d])` made once per matmul reading x, each saved for its weight grad) share
+    one storage: the caller holds its bytes once, until the last of them dies."""
+    storage: dict[Var, Var] = {v: v for v in g.inputs}
+    made: set[Var] = set()
+    for e in g.eqns:
+        first = next(iter(e.inputs), None)
+        for v in e.out_vars:
+            storage[v] = v if allocates(e.op) or first is None else storage[first]
+            if storage[v] is v:
+                made.add(v)
+    seen: dict[Var, int] = {}
+    out: list[tuple[int, int] | None] = []
+    for k, v in enumerate(g.outputs):
+        owner = storage.get(v) if isinstance(v, Var) else None
+        if owner is None or owner not in made:
+            out.append(None)
+            continue
+        out.append((seen.setdefault(owner, k), owner.aval.nbytes))
+    return tuple(out)
+
+
 def run_bytes(g: Graph, accumulate: Sequence[int] = ()) -> RunBytes:
     """Walk `g` in order with fx's frees (see the module docstring) and report its bytes."""
     added = set(accumulate)

@@ -66,6 +66,7 @@ class _Replay:
         self.layouts = Layouts(infos)  # each transfer's messages, as the runtime posts them
         self.packs: dict[str, set[str]] = {}  # a received pack -> its members not yet freed
         self.owner: dict[str, str] = {}  # a packed ref -> its pack
+        self.storage: dict[tuple[int, str], tuple[tuple[int, int] | None, ...]] = {}  # `_stores`, once a program
 
     def hold(self, ref: str, nbytes: int) -> None:
         if ref not in self.live:
@@ -78,9 +79,31 @@ class _Replay:
         for k in acc:  # accumulators are made (zeros) before the program runs
             self.hold(ins.writes[k], self.param_bytes[int(ins.writes[k][1:])])
         self.top = self.now + self._made(ins, part, acc)
-        for ref, slot in zip(ins.writes, part.out_slots):
-            if ref[0] == "b" and ref not in ins.reads:
+        stores = self._stores(ins.stage, ins.kind, part)
+        shared: dict[int, list[str]] = {}  # outputs on one storage the program made: held once, as a pack
+        for ref, slot, store in zip(ins.writes, part.out_slots, stores):
+            if ref[0] != "b" or ref in ins.reads:
+                continue
+            if store is None:
                 self.hold(ref, info.ad.slot_avals[slot].nbytes)
+            else:
+                shared.setdefault(store[0], []).append(ref)
+        for k, refs in shared.items():
+            if len(refs) == 1:
+                self.hold(refs[0], stores[k][1])  # type: ignore[index]
+                continue
+            pack = f"store {refs[0]}"
+            self.hold(pack, stores[k][1])  # type: ignore[index]
+            self.packs[pack] = set(refs)
+            self.owner.update((ref, pack) for ref in refs)
+
+    def _stores(self, stage: int, kind: str, part: ir.Part) -> tuple[tuple[int, int] | None, ...]:
+        """Per output of a stage's program: (its storage's first output, the storage's bytes), or None
+        (`ir.output_storage`)."""
+        key = (stage, kind)
+        if key not in self.storage:
+            self.storage[key] = ir.output_storage(part.graph)
+        return self.storage[key]
 
     def _made(self, ins: Instr, part: ir.Part, acc: tuple[int, ...]) -> int:
         """The bytes a compute's program makes while it runs: as measured on the device, else fx's frees."""
