@@ -238,22 +238,29 @@ class Workshop:
         key = joint_key(stage.graph, diff_in, diff_out, self.device)
         found = self._stitched.get((key, inside))
         if found is None:
-            found = self._stitched[(key, inside)] = Stitched(self._stitched_joint(stage, pieces, diff_in, diff_out))
+            joint, why = self._stitched_joint(stage, pieces, diff_in, diff_out)
+            found = Stitched(joint)
+            if why is None:
+                self._stitched[(key, inside)] = found
+            else:  # a piece's trace raised: maybe not for good (an interrupt, a setting outside the key)
+                self._stitched.keep((key, inside), found)
         if found.joint is not None and run and found.runs is None:
             found = self._stitched[(key, inside)] = attrs.evolve(found, runs=_runs(found.joint, self.device))
         joint = found.joint if found.runs or not run else None
         return None if joint is None else autodiff(stage, level, device=self.device, joints={key: joint})
 
     def _stitched_joint(self, stage: ir.Stage, pieces: Sequence[stitch.Piece], diff_in: Sequence[int],
-                        diff_out: Sequence[int]) -> ir.Graph | None:
+                        diff_out: Sequence[int]) -> tuple[ir.Graph | None, Exception | None]:
+        """The stage's joint stitched from its pieces', or None with the exception a piece's trace raised (None
+        alone where the stage's joint is not its pieces': `stitch.NotStitchable`, the key's for good)."""
         try:
             joints = [stitch.piece_joint(p, self.device, self._joints) for p in pieces]
-            return stitch.stitched_joint(stage, pieces, joints, diff_in, diff_out)
+            return stitch.stitched_joint(stage, pieces, joints, diff_in, diff_out), None
         except stitch.NotStitchable:
-            return None
+            return None, None
         except Exception as why:  # noqa: BLE001 -- a piece's trace an op refuses: the stage's own trace decides
             log.info("a stage's joint is traced whole: a piece of it failed to trace (%s)", str(why)[:300])
-            return None
+            return None, why
 
     def stages(self, size: int, cuts: Sequence[int], recompute: Sequence[bool | str] = (),
                remat: Sequence[bool] = ()) -> tuple[StageInfo, ...]:

@@ -14,7 +14,8 @@ The joints stitched from those (`ir.stitch`: a stage's joint made of its pieces'
 on its stage's strides (`stitch.check_runs`, an interpretation on fake tensors) are shared alike (`STITCHED`): the
 in-process harness plans each hypothesis example in a Workshop of its own, and stitching and checking again what
 an earlier example had made was a fifth of a property test's time. A stitched joint is keyed as the Workshop keys
-it (the stage graph's joint key and its pieces' bounds), and that table is bounded by the equations it holds.
+it (the stage graph's joint key and its pieces' bounds), and that table is bounded by the equations and constants
+it holds.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import ir
 __all__ = ["JOINTS", "STITCHED", "SharedJoints", "Stitched", "WorkshopJoints", "tracing_context"]
 
 SIZE = 256  # joints kept (a block's joint is a few hundred equations)
-STITCHED_EQNS = 200_000  # equations of the stitched joints kept (a stage of a 70 B plan: some thousands)
+STITCHED_WEIGHT = 200_000  # equations of the stitched joints kept, ~90 MB (a 70 B plan's stage: some thousands)
 CONSTANT_BYTES = 1 << 20  # a graph whose tensor constants hold more is not kept
 
 
@@ -105,8 +106,12 @@ class Stitched:
     runs: bool | None = None
 
     @property
-    def equations(self) -> int:
-        return 1 + (0 if self.joint is None else len(self.joint.eqns))
+    def weight(self) -> int:
+        """What it weighs in `STITCHED`: its equations (~450 bytes each), and its constant tensors' bytes
+        (which may reach `CONSTANT_BYTES` in a joint of a few equations) at 512 bytes an equation."""
+        if self.joint is None:
+            return 1
+        return 1 + len(self.joint.eqns) + _constant_bytes(self.joint) // 512
 
 
 def _constant_bytes(g: ir.Graph) -> int:
@@ -117,23 +122,29 @@ def _constant_bytes(g: ir.Graph) -> int:
 
 
 class WorkshopJoints(_ByGet):
-    """One Workshop's joints: all it traced (as before sharing), and those of the process (`JOINTS`) it may use."""
+    """One Workshop's joints: all it traced (as before sharing), and those of the process (`JOINTS`) it may use;
+    its own kept under the tracing context too, so one made under other attention settings is not found."""
 
     def __init__(self, shared: SharedJoints) -> None:
         self.shared, self.own = shared, {}
 
     def get(self, key: Any, default: Any = None) -> Any:
-        found = self.own.get(key)
+        mine = (key, tracing_context())
+        found = self.own.get(mine)
         if found is None:
             found = self.shared.get(key)
             if found is not None:
-                self.own[key] = found
+                self.own[mine] = found
         return default if found is None else found
 
     def __setitem__(self, key: Any, joint: Any) -> None:
-        self.own[key] = joint
+        self.keep(key, joint)
         self.shared[key] = joint  # which may decline it (large constants): this Workshop keeps it all the same
+
+    def keep(self, key: Any, joint: Any) -> None:
+        """Kept by this Workshop alone (a failure that may not be the key's: see `Workshop._stitch`)."""
+        self.own[(key, tracing_context())] = joint
 
 
 JOINTS = SharedJoints()
-STITCHED = SharedJoints(STITCHED_EQNS, weight=lambda s: s.equations)
+STITCHED = SharedJoints(STITCHED_WEIGHT, weight=lambda s: s.weight)

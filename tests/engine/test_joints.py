@@ -8,6 +8,7 @@ import ir
 import ir.autodiff as ir_autodiff
 from engine.planning import joints as joints_mod
 from engine.planning.joints import JOINTS, STITCHED, SharedJoints, Stitched, WorkshopJoints
+from engine.planning.artifacts import Workshop
 from engine.planning.search import search
 from tests.mpi.passes import mlp_loss
 
@@ -131,10 +132,53 @@ def test_a_model_planned_again_stitches_and_checks_no_joint_again(monkeypatch) -
     assert calls["stitched_joint"] == 2 * made["stitched_joint"]  # the count is the table's doing
 
 
-def test_the_stitched_table_is_bounded_by_the_equations_it_holds() -> None:
+def test_the_stitched_table_is_bounded_by_the_equations_and_constants_it_holds(monkeypatch) -> None:
     g = ir.trace(lambda p, x: (x * p).sin().sum(), torch.ones(4), torch.ones(4))
-    table = SharedJoints(size=2 * (1 + len(g.eqns)), weight=lambda s: s.equations)
+    table = SharedJoints(size=2 * (1 + len(g.eqns)), weight=lambda s: s.weight)
     table["a"], table["b"], table["none"] = Stitched(g), Stitched(g, runs=True), Stitched(None)
     assert "a" not in table and table["b"].runs and table["none"].joint is None  # a None weighs one equation
     table["b"] = Stitched(g, runs=False)  # replaced: its weight counted once
     assert len(table) == 2 and table["b"].runs is False and table._held == 2 + len(g.eqns)
+    table.clear()
+    assert len(table) == 0 and table._held == 0
+    const = torch.randn(64, 4, dtype=torch.float64)  # 2,048 bytes: four equations' weight
+    big = ir.trace(lambda p, x: ((x @ const.T) * p).sum(), torch.ones(64, dtype=torch.float64),
+                   torch.ones(2, 4, dtype=torch.float64))
+    assert Stitched(big).weight == 1 + len(big.eqns) + 2048 // 512
+
+
+def _attention(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    for _ in range(3):
+        q = (x @ w).reshape(1, 2, 8, 4)
+        x = torch.nn.functional.scaled_dot_product_attention(q, q, q).reshape(8, 8) + x
+    return x.sum()
+
+
+def _stitched_ops(workshop: Workshop, bounds: tuple[int, ...], cut: int | None = None) -> list[set[str]]:
+    """The ops of each stage's programs (the workshop's graph cut at `cut`) costed on pieces between `bounds`."""
+    made = len(STITCHED)
+    ads = [workshop.costing(8, stage, False, bounds) for stage in ir.split(workshop.graph(8), () if cut is None else (cut,))]
+    assert len(STITCHED) >= made  # (stitched, not traced whole: a joint traced whole is no entry of it)
+    return [{e.op for part in (ad.forward, ad.backward_input, ad.backward_weight) for e in part.graph.eqns} for ad in ads]
+
+
+def test_a_joint_stitched_under_other_attention_kernels_or_bounds_is_not_found() -> None:
+    """A Workshop that stitched under the default attention settings, asked for other stages on the same pieces
+    under `sdpa_kernel(MATH)`, and a fresh Workshop then, stitch the math kernel, as a fresh process does (a
+    review's case: the Workshop's own table was not keyed by the settings, and its flash joints went to the
+    process's table under MATH's key). And the same stage cut into other pieces is stitched anew."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    w, x = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    JOINTS.clear(), STITCHED.clear()
+    first = Workshop(_attention, w, (x,))
+    n = len(first.graph(8).eqns)
+    pieces = (0, 6, 11, n)  # a block of the model each: (matmul, reshape, attention, reshape, add)
+    flash = lambda ops: any("flash" in op for op in ops)  # noqa: E731
+    assert [flash(ops) for ops in _stitched_ops(first, pieces)] == [True] and len(STITCHED) == 1
+    with sdpa_kernel(SDPBackend.MATH):
+        assert [flash(ops) for ops in _stitched_ops(first, pieces, cut=6)] == [False, False]
+        assert [flash(ops) for ops in _stitched_ops(Workshop(_attention, w, (x,)), pieces)] == [False]
+    assert len(STITCHED) == 4  # the whole stage and its two halves under MATH: three more
+    _stitched_ops(Workshop(_attention, w, (x,)), (0, 11, n))  # other pieces: stitched anew
+    assert len(STITCHED) == 5
