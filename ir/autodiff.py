@@ -26,6 +26,7 @@ from .core import AbstractValue, Eqn, Graph, Literal, Var
 from .device import available, device_type, retarget
 from .errors import IRError
 from .fx_import import FxImporter
+from .liveness import output_storage
 from .printer import program_digest
 from .purify import is_view, remove_mutation, resolve
 from .slicing import slice_graph
@@ -63,8 +64,23 @@ class StageAD:
 
     def saved_bytes(self) -> int:
         """Bytes F keeps for B and W beyond the stage's inputs and outputs (per microbatch)."""
-        keep = set(self.forward.out_slots) - set(self.out_slots)
-        return sum(self.slot_avals[s].nbytes for s in keep)
+        return self.slot_bytes(set(self.forward.out_slots) - set(self.out_slots))
+
+    def slot_bytes(self, slots: AbstractSet[int]) -> int:
+        """Bytes of the values in `slots`, each allocation once: outputs of F that are views of one value F made
+        (a Linear's `view(x, [b*t, d])` made per matmul reading x, each saved for its weight grad: Llama's wq,
+        wk and wv) share its storage (`output_storage`), as the runtime holds them; any other slot at its size."""
+        stores = dict(zip(self.forward.out_slots, output_storage(self.forward.graph)))
+        seen: set[int] = set()
+        total = 0
+        for s in slots:
+            store = stores.get(s)
+            if store is None:
+                total += self.slot_avals[s].nbytes
+            elif store[0] not in seen:
+                seen.add(store[0])
+                total += store[1]
+        return total
 
 
 def _differentiable(v: Var) -> bool:

@@ -96,7 +96,7 @@ def estimate(graph: ir.Graph, blocks: Blocks, bounds: Sequence[int], saved_scale
 
 
 def _slot_bytes(ad: ir.StageAD, slots: set[int]) -> int:
-    return sum(ad.slot_avals[s].nbytes for s in slots)
+    return ad.slot_bytes(slots)  # F's outputs on one storage once, as the runtime holds them
 
 
 def transient_bytes(g: ir.Graph) -> int:
