@@ -26,7 +26,7 @@ from .core import AbstractValue, Eqn, Graph, Literal, Var
 from .device import available, device_type, retarget
 from .errors import IRError
 from .fx_import import FxImporter
-from .liveness import output_storage
+from .liveness import held_bytes, output_storage
 from .printer import program_digest
 from .purify import is_view, remove_mutation, resolve
 from .slicing import slice_graph
@@ -263,8 +263,8 @@ def _rematerialize(g: Graph, f: set[int], b: set[int], w: set[int], redo: Any = 
     rb: set[int] = set()
     rw: set[int] = set()
 
-    def held(rb: set[int], rw: set[int]) -> int:
-        return sum(x.aval.nbytes for x in _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw, prod) - kept)
+    def held(rb: set[int], rw: set[int]) -> int:  # views of one value on its storage once, as F's outputs hold
+        return held_bytes(g, _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw, prod) - kept)
 
     for _ in range(8):  # a fixed point: each pass may make further operands available
         saved = _saved(g, f, _reads(g, b | rb), _reads(g, w | rw), rb, rw, prod)

@@ -8,7 +8,8 @@ graph's inputs belong to the caller and are not counted.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Iterable, Sequence
 
 import attrs
 
@@ -35,19 +36,31 @@ def allocates(op: str) -> bool:
     return not (base_name(op) in ALIASING or is_view(resolve(op)))
 
 
+def owners(g: Graph) -> tuple[dict[Var, Var], frozenset[Var]]:
+    """Each value of `g` -> the value whose storage it lives on (itself where its op allocates, else its first
+    input's: views and in-place ops), and the values whose storage `g`'s run makes (not its inputs)."""
+    if g not in _OWNERS:
+        storage: dict[Var, Var] = {v: v for v in g.inputs}
+        made: set[Var] = set()
+        for e in g.eqns:
+            first = next(iter(e.inputs), None)
+            for v in e.out_vars:
+                storage[v] = v if allocates(e.op) or first is None else storage[first]
+                if storage[v] is v:
+                    made.add(v)
+        _OWNERS[g] = (storage, frozenset(made))
+    return _OWNERS[g]
+
+
+_OWNERS: weakref.WeakKeyDictionary[Graph, tuple[dict[Var, Var], frozenset[Var]]] = weakref.WeakKeyDictionary()
+
+
 def output_storage(g: Graph) -> tuple[tuple[int, int] | None, ...]:
     """Per output of `g`: (the first output position on the same storage, that storage's bytes) where the run
     makes the storage, None for a literal or an output on an input's storage. Outputs that are views of one
     value (a Linear's `view(x, [b*t, d])` made once per matmul reading x, each saved for its weight grad) share
     one storage: the caller holds its bytes once, until the last of them dies."""
-    storage: dict[Var, Var] = {v: v for v in g.inputs}
-    made: set[Var] = set()
-    for e in g.eqns:
-        first = next(iter(e.inputs), None)
-        for v in e.out_vars:
-            storage[v] = v if allocates(e.op) or first is None else storage[first]
-            if storage[v] is v:
-                made.add(v)
+    storage, made = owners(g)
     seen: dict[Var, int] = {}
     out: list[tuple[int, int] | None] = []
     for k, v in enumerate(g.outputs):
@@ -57,6 +70,14 @@ def output_storage(g: Graph) -> tuple[tuple[int, int] | None, ...]:
             continue
         out.append((seen.setdefault(owner, k), owner.aval.nbytes))
     return tuple(out)
+
+
+def held_bytes(g: Graph, values: Iterable[Var]) -> int:
+    """Bytes `values` (of `g`) hold: each storage `g` made once, a value on an input's storage at its own size."""
+    storage, made = owners(g)
+    values = list(values)
+    mine = {storage[v] for v in values if storage[v] in made}
+    return sum(v.aval.nbytes for v in values if storage[v] not in made) + sum(o.aval.nbytes for o in mine)
 
 
 def run_bytes(g: Graph, accumulate: Sequence[int] = ()) -> RunBytes:

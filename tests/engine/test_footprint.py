@@ -7,7 +7,10 @@ import pytest
 import torch
 
 import engine
+from engine.planning.devices import LINKS, get_device
 from engine.planning.memory import MemoryModel
+from engine.planning.op_costs import CostModel
+from engine.planning.stage_costs import exact
 from tests.cpu_allocator import allocator_peak
 
 D, H, L, B = 128, 512, 4, 64
@@ -109,3 +112,8 @@ def test_residuals_on_one_storage_are_held_once() -> None:
     measured = allocator_peak(lambda: step(local, x, y))
     (fp,) = step.memory()
     assert fp.peak - fp.static == pytest.approx(measured, rel=0.01), (fp, measured)
+    # the planner counts the saved views as the replay holds them: one storage each, below the views' sum
+    (info,) = step.infos
+    (cost,) = exact(step.graph, [], CostModel(get_device("cpu"), LINKS["loopback"]))
+    views = set(info.ad.forward.out_slots) - set(info.ad.out_slots)
+    assert cost.saved_bytes == info.ad.saved_bytes() < sum(info.ad.slot_avals[s].nbytes for s in views)
