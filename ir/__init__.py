@@ -21,5 +21,5 @@ from .trace import TensorSpec, trace
 __all__ = [
     "AbstractValue", "Deferred", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "MixedRows", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
     "TraceError", "Var", "aux_names", "batch_rows", "check", "check_loss", "compile_graph", "deferred", "deferred_of", "eqn_cost", "evaluate", "format_costs", "format_graph",
-    "graph_costs", "interpret", "keyed_dropout", "mixed_rows", "program_digest", "random", "row_keys", "recomputable", "returns_aux", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
+    "graph_costs", "interpret", "keyed_dropout", "mixed_rows", "program_digest", "random", "row_keys", "recomputable", "returns_aux", "output_storage", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
 ]

@@ -157,9 +157,11 @@ def _attention(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _stitched_ops(workshop: Workshop, bounds: tuple[int, ...], cut: int | None = None) -> list[set[str]]:
     """The ops of each stage's programs (the workshop's graph cut at `cut`) costed on pieces between `bounds`."""
     made = len(STITCHED)
-    ads = [workshop.costing(8, stage, False, bounds) for stage in ir.split(workshop.graph(8), () if cut is None else (cut,))]
+    stages = ir.split(workshop.graph(8), () if cut is None else (cut,))
+    ads = [workshop.costing(8, stage, False, bounds) for stage in stages]
     assert len(STITCHED) >= made  # (stitched, not traced whole: a joint traced whole is no entry of it)
-    return [{e.op for part in (ad.forward, ad.backward_input, ad.backward_weight) for e in part.graph.eqns} for ad in ads]
+    return [{e.op for part in (ad.forward, ad.backward_input, ad.backward_weight) for e in part.graph.eqns}
+            for ad in ads]
 
 
 def test_a_joint_stitched_under_other_attention_kernels_or_bounds_is_not_found() -> None:
