@@ -85,7 +85,7 @@ def run_bytes(g: Graph, accumulate: Sequence[int] = ()) -> RunBytes:
     added = set(accumulate)
     held = {v for k, v in enumerate(g.outputs) if isinstance(v, Var) and k not in added}
     last = {v: i for i, e in enumerate(g.eqns) for v in e.inputs}  # an accumulated output dies after its add
-    storage: dict[Var, Var] = {v: v for v in g.inputs}  # value -> the value that owns its storage
+    storage = owners(g)[0]                              # value -> the value that owns its storage
     users: dict[Var, int] = {v: 1 for v in g.inputs}   # owner -> live values on it (inputs pinned)
     size: dict[Var, int] = {}                           # owner -> bytes, for storage this run made
     kept: set[Var] = set()                              # owners of outputs' storage
@@ -99,10 +99,8 @@ def run_bytes(g: Graph, accumulate: Sequence[int] = ()) -> RunBytes:
             kept_live -= size[owner] if owner in kept else 0
 
     for i, e in enumerate(g.eqns):
-        first = next(iter(e.inputs), None)
         for v in e.out_vars:
-            owner = v if allocates(e.op) or first is None else storage[first]
-            storage[v] = owner
+            owner = storage[v]
             users[owner] = users.get(owner, 0) + 1
             if owner is v:
                 size[v] = v.aval.nbytes
