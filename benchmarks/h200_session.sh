@@ -119,8 +119,9 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
       ;;
     four)  # 4 GPUs, depth 4, both families: the baselines, fnpipe's default on every schedule, then the whole
            # model on one GPU (eager autograd, torch.func.grad, fnpipe one stage) for the share of ideal speed-up;
-           # WARMUP and STEPS as fourcal's
-      bench 570 4 29516 --budget 540 --families "$families" --calibrate "$cal" --one-gpu-layers 16 --compilers auto \
+           # WARMUP and STEPS as fourcal's; ONE_GPU_LAYERS=0 leaves out the one-GPU rows
+      bench 570 4 29516 --budget 540 --families "$families" --calibrate "$cal" --one-gpu-layers "${ONE_GPU_LAYERS:-16}" \
+        --compilers auto \
         --schedules zbv,1f1b,interleaved-1f1b,zb-h1 --torch-eager 1f1b --torch-compiled 1f1b,interleaved-1f1b \
         --torch-risky "" --timeout 240 --warmup "${WARMUP:-2}" --steps "${STEPS:-5}" --out-dir "$out"
       ;;
