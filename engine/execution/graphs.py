@@ -14,8 +14,10 @@ later step. Programs are pure (`ir.trace` refuses random ops; dropout is keyed a
 replay computes what the program would. Values stay where the capture put them:
 - A graph's outputs live in the pool. After capture the step drops them as usual (`free`), so a later capture
   reuses their memory exactly as the step's order allows; at replay the step gets non-owning tensors at the
-  same addresses (`_Tensor.rebuild`), valid while the graphs live. During the capture step no send is retired
-  before the step's end, so no graph writes where a transfer may still read.
+  same addresses (`_Tensor.rebuild`), valid while the graphs live. An output that is a view of an input (B
+  handing W a view of a received gradient) lives on that input's storage, which stays where the capture read it
+  too, so it is placed alike, not held as a new input by the graph that reads it. During the capture step no
+  send is retired before the step's end, so no graph writes where a transfer may still read.
 - The user's tensors (parameters, batch leaves) are never written: the capture reads clones of them, one per
   tensor however many programs read it, and a step copies a new tensor (or one changed in place since) into its
   clone before the first replay that reads it; a functional optimizer's new parameters cost one copy a step.
@@ -210,9 +212,8 @@ class Graphs:
         places = [_Tensor.of(t) if isinstance(t, torch.Tensor) else None for t in flat]
         self.captured[key] = _Captured(graph, inputs, places, single)
         graph.replay()  # on the step's stream: this step's values (a capture runs nothing)
-        mine = {t.untyped_storage().data_ptr() for t in reads if isinstance(t, torch.Tensor)}
-        for t, place in zip(flat, places):  # an input handed through is not the graph's to place
-            if place is not None and place.storage_ptr not in mine:
+        for t, place in zip(flat, places):  # a view of an input too: every input stays where the capture read it
+            if place is not None:
                 self.made[id(t)] = (weakref.ref(t), place)
         return outs
 
