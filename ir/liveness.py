@@ -72,6 +72,14 @@ def output_storage(g: Graph) -> tuple[tuple[int, int] | None, ...]:
     return tuple(out)
 
 
+def output_inputs(g: Graph) -> tuple[int | None, ...]:
+    """Per output of `g`: the position of the input whose storage it lives on (the input itself or a view of
+    it), None for an output on a storage the run makes, or a literal."""
+    storage = owners(g)[0]
+    position = {v: k for k, v in enumerate(g.inputs)}
+    return tuple(position.get(storage[v]) if isinstance(v, Var) else None for v in g.outputs)
+
+
 def held_bytes(g: Graph, values: Iterable[Var]) -> int:
     """Bytes `values` (of `g`) hold: each storage `g` made once, a value on an input's storage at its own size."""
     storage, made = owners(g)

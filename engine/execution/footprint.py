@@ -160,8 +160,9 @@ class _Replay:
 
 class _Graphed(_Replay):
     """The replay of a step whose computes replay CUDA graphs. `pool_now` / `pool_peak`: the bytes of the
-    computes' live values in the graphs' pool and its high-water mark (a compute's temporaries included); a value
-    a send reads as it is (not packed) stays to the end of the capture step (no send is retired before it).
+    computes' live values in the graphs' pool and its high-water mark (a compute's temporaries included), outputs
+    on one storage (`ir.output_storage`) counted once until the last is freed; a value a send reads as it is (not
+    packed) stays to the end of the capture step (no send is retired before it).
     `now` is the allocator's: received buffers and packs as in `_Replay`; `kept`: what it holds for good (clones
     of the parameters and batch leaves the computes read, the received values they read, the accumulators)."""
 
@@ -169,7 +170,10 @@ class _Graphed(_Replay):
                  measured: Callable[[Key], int | None] = lambda key: None) -> None:
         super().__init__(infos, param_bytes, measured)
         self.batch_bytes = batch_bytes
-        self.pooled: dict[str, int] = {}  # a compute's value in the pool -> its bytes
+        self.pooled: dict[str, int] = {}  # a storage a compute made in the pool (named by its first value) -> bytes
+        self.pool_of: dict[str, str] = {}  # a compute's value in the pool -> its storage's name in `pooled`
+        self.on: dict[str, set[str]] = {}  # a pooled storage -> its values not yet freed (views share one)
+        self.inputs_of: dict[tuple[int, str], tuple[int | None, ...]] = {}  # `ir.output_inputs`, once a program
         self.sent: set[str] = set()  # pooled values a send reads: held to the capture step's end
         self.pool_now = self.pool_peak = 0
         self.kept: dict[str, int] = {}  # what the graphs' allocator side holds for good, by what it is
@@ -185,11 +189,30 @@ class _Graphed(_Replay):
         for ref in ins.reads:
             self._read(ref, ins.mb)
         self.pool_peak = max(self.pool_peak, self.pool_now + self._made(ins, part, acc))
-        for ref, slot in zip(ins.writes, part.out_slots):
-            if ref[0] == "b" and ref not in ins.reads and ref not in self.pooled:
-                self.pooled[ref] = info.ad.slot_avals[slot].nbytes
+        stores, first = self._stores(ins.stage, ins.kind, part), {}
+        for ref, slot, store, on_input in zip(ins.writes, part.out_slots, stores, self._on_inputs(ins, part)):
+            if ref[0] != "b" or ref in ins.reads or ref in self.pool_of:
+                continue
+            if on_input is not None:  # a view of an input: its storage, pooled already or kept for good
+                if on_input in self.pool_of:
+                    self.pool_of[ref] = self.pool_of[on_input]
+                    self.on[self.pool_of[ref]].add(ref)
+                continue
+            name = ref if store is None else first.setdefault(store[0], ref)  # views of one value: one storage
+            if name == ref:
+                self.pooled[ref] = info.ad.slot_avals[slot].nbytes if store is None else store[1]
+                self.on[ref] = set()
                 self.pool_now += self.pooled[ref]
+            self.pool_of[ref] = name
+            self.on[name].add(ref)
         self.pool_peak = max(self.pool_peak, self.pool_now)
+
+    def _on_inputs(self, ins: Instr, part: ir.Part) -> list[str | None]:
+        """Per output of the compute: the ref of the input whose storage it lives on (`ir.output_inputs`), or None."""
+        key = (ins.stage, ins.kind)
+        if key not in self.inputs_of:
+            self.inputs_of[key] = ir.output_inputs(part.graph)
+        return [None if k is None else ins.reads[k] for k in self.inputs_of[key]]
 
     def _read(self, ref: str, mb: int) -> None:
         """What reading `ref` makes the graphs hold: a clone of a parameter (once) or of a microbatch's batch
@@ -198,21 +221,25 @@ class _Graphed(_Replay):
             self.keep(ref, self.param_bytes[int(ref[1:])])
         elif ref[0] == "x":
             self.keep(f"{ref}@{mb}", self.batch_bytes[int(ref[1:])])
-        elif ref[0] == "b" and ref not in self.pooled:
+        elif ref[0] == "b" and ref not in self.pool_of:
             pack = self.owner.get(ref, ref)
             self.keep(pack, self.live.get(pack, 0))
 
     def comm(self, ins: Instr) -> None:
         super().comm(ins)
         self.sent.update(c.bufs[m.members[0]] for c in ins.comm if c.op == "send" for m in self.layouts(c).messages
-                         if not m.packed and c.bufs[m.members[0]] in self.pooled)  # a pack is a copy
+                         if not m.packed and c.bufs[m.members[0]] in self.pool_of)  # a pack is a copy
 
     def free(self, ins: Instr) -> None:
         for ref in ins.reads:
-            if ref not in self.pooled:
+            if ref not in self.pool_of:
                 self.drop(ref)
-            elif ref not in self.sent:
-                self.pool_now -= self.pooled.pop(ref)
+            elif ref not in self.sent:  # a sent value keeps its storage to the step's end
+                name = self.pool_of.pop(ref)
+                self.on[name].discard(ref)
+                if not self.on[name]:
+                    del self.on[name]
+                    self.pool_now -= self.pooled.pop(name)
 
     def reduce_grads(self, ins: Instr) -> None:
         self.top = self.now + sum(self.param_bytes[int(r[1:])] for r in ins.reads)  # the flat copy

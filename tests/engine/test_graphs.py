@@ -78,11 +78,11 @@ def _check(result: Any, params: Any, batch: Sequence[torch.Tensor]) -> None:
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-14), (got - want).abs().max()
 
 
-def _graphed(schedule: str, stages: int, ranks: int, dp: int = 1,
-             hook: Any = None) -> tuple[Any, Any, list[Any], list[Recorded]]:
-    """(params, batch, each rank's Step, each rank's Recorded graphs): TINY cut evenly into `stages`."""
-    params, batch = init_params(TINY, torch.float64), example_batch(TINY, 8)
-    fn = make_loss_fn(TINY)
+def _graphed(schedule: str, stages: int, ranks: int, dp: int = 1, hook: Any = None,
+             model: tuple[Callable[..., Any], Any, Any] | None = None) -> tuple[Any, Any, list[Any], list[Recorded]]:
+    """(params, batch, each rank's Step, each rank's Recorded graphs): TINY (or `model`: its loss function,
+    params and batch) cut evenly into `stages`."""
+    fn, params, batch = model or (make_loss_fn(TINY), init_params(TINY, torch.float64), example_batch(TINY, 8))
     n = len(ir.trace(fn, params, *[b[:2] for b in batch]).eqns)
     options = (("stages_per_rank", stages // ranks),) if schedule == "interleaved-1f1b" else ()
     plan = Plan(schedule, stages, ranks, dp, 4, tuple(n * k // stages for k in range(1, stages)),
@@ -193,7 +193,37 @@ def test_the_graphed_footprint_is_what_the_graphs_hold(schedule: str, stages: in
     is every storage a captured graph holds as an input (clones of the user's tensors, received values) and the
     accumulators; `pool` is the most the computes' values (and the sent ones, kept to the step's end) held at
     once, with each compute's own temporaries taken as 0 bytes here (`measured`)."""
+    _check_graphed_footprint(schedule, stages, ranks)
+
+
+@pytest.mark.parametrize("schedule,stages,ranks", [("1f1b", 2, 2), ("zbv", 4, 2)])
+def test_the_graphed_pool_holds_views_of_one_value_once(schedule: str, stages: int, ranks: int) -> None:
+    """Two Linears reading one 3-D input (the Llama's wq / wk / wv) each save their own `view(x, [b*t, d])`:
+    outputs of F on one storage, which the pool holds once (the replay counted each view: session 28)."""
+    torch.manual_seed(0)
+    d, h = 16, 24
+    params = {"layers": [{"a": torch.randn(h, d, dtype=torch.float64), "b": torch.randn(h, d, dtype=torch.float64),
+                          "o": torch.randn(d, h, dtype=torch.float64) / h} for _ in range(4)],
+              "head": torch.randn(10, d, dtype=torch.float64)}
+
+    def loss_fn(p, x, y):  # type: ignore[no-untyped-def]
+        for layer in p["layers"]:
+            z = torch.nn.functional.layer_norm(x, (d,))
+            x = x + torch.nn.functional.linear(torch.nn.functional.linear(z, layer["a"]).relu()
+                                               * torch.nn.functional.linear(z, layer["b"]), layer["o"])
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, p["head"]).flatten(0, 1), y.flatten())
+
+    batch = (torch.randn(8, 6, d, dtype=torch.float64), torch.randint(0, 10, (8, 6)))
+    shared = _check_graphed_footprint(schedule, stages, ranks, model=(loss_fn, params, batch))
+    assert shared > 0  # F's outputs did share storages
+
+
+def _check_graphed_footprint(schedule: str, stages: int, ranks: int,
+                             model: tuple[Callable[..., Any], Any, Any] | None = None) -> int:
+    """The checks of `test_the_graphed_footprint_is_what_the_graphs_hold`, on TINY or `model`; returns how many
+    of the computes' live values shared a storage with another at some point."""
     seen: dict[int, list[int]] = {r: [] for r in range(ranks)}
+    shared = 0
     made: dict[int, set[str]] = {}
     made_ids: dict[int, set[int]] = {}  # ids of the computes' values seen so far (a sent one outlives its ref)
 
@@ -204,19 +234,25 @@ def test_the_graphed_footprint_is_what_the_graphs_hold(schedule: str, stages: in
         live = {id(t): t for r, t in ex.bufs.items() if r in outs}
         live.update((id(t), t) for _, t in ex.sends if id(t) in ids)
         ids.update(live)
-        return sum(t.nbytes for t in live.values())  # by the tensors' own bytes, as the replay counts outputs
+        nonlocal shared
+        kept = {slot.held.untyped_storage().data_ptr() for c in ex.graphs.captured.values() for slot in c.inputs
+                if slot is not None and slot.held is not None}  # a view of a kept input is not in the pool
+        on = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live.values()}
+        shared = max(shared, len(live) - len(on))
+        return sum(n for ptr, n in on.items() if ptr not in kept)  # each storage once: views of one value share it
 
     def hook(ex: Any, ins: Any) -> None:
         if ex.graphs.capturing:
             seen[ex.program.rank].append(pooled(ex))
 
-    params, batch, steps, fakes = _graphed(schedule, stages, ranks, hook=hook)
+    params, batch, steps, fakes = _graphed(schedule, stages, ranks, hook=hook, model=model)
     for _ in range(2):  # eager, capture
         run_steps(steps, params, batch)
     for rank, (step, g) in enumerate(zip(steps, fakes)):
         fp = footprint(step.program, step.infos, step.graph, microbatches=4, measured=lambda key: 0, graphs=True)
         assert fp.kept == _kept(step, g), (rank, fp.kept, _kept(step, g))
         assert fp.pool == max(seen[rank]) > 0, (rank, fp.pool, max(seen[rank]))
+    return shared
 
 
 def _kept(step: Any, g: Recorded) -> int:

@@ -68,3 +68,20 @@ def test_the_peak_is_what_the_cpu_allocator_sees(accumulate: tuple[int, ...]) ->
     predicted = ir.run_bytes(g, accumulate).peak
     measured = allocator_peak(lambda: run(*args))
     assert predicted == pytest.approx(measured, rel=0.01, abs=1024), (predicted, measured)
+
+
+def test_outputs_say_which_storage_they_live_on() -> None:
+    """`output_storage`: outputs on one storage the run makes name its first output and its bytes once;
+    `output_inputs`: an output on an input's storage (the input, or a view of it) names that input."""
+    def fn(p, x):  # type: ignore[no-untyped-def]
+        a = x @ p                                   # [8, 16], made by the run
+        return a.view(2, 4, 16), a.t(), x.view(-1), p, a + 1
+
+    g = _graph(fn, torch.randn(4, 16), torch.randn(8, 4))
+    made = 8 * 16 * F32
+    assert ir.output_storage(g) == ((0, made), (0, made), None, None, (4, made))
+    assert ir.output_inputs(g) == (None, None, 1, 0, None)
+    p, x = torch.randn(4, 16), torch.randn(8, 4)
+    outs = fn(p, x)  # as eager torch keeps them
+    assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+    assert outs[2].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
