@@ -74,7 +74,9 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
     two)  # at most 440 + 120 s: the budgets end each launch in time, `timeout` is the backstop
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
       # TWO_LIMIT, COMPILERS, SCHEDULES, TORCH_EAGER, TORCH_COMPILED, TORCH_RISKY trim the first launch;
-      # WARMUP and STEPS as fourcal's; WARM=0 leaves out the warm restart
+      # WARMUP and STEPS as fourcal's; WARM=0 leaves out the warm restart; GRAPHS_EQ=1 first runs the CUDA
+      # graphs' equivalence over NCCL (as fourgraphs does)
+      [ "${GRAPHS_EQ:-0}" = 1 ] && graphs_equivalence "${EQ_TIMEOUT:-120}"
       limit=${TWO_LIMIT:-470}
       bench "$limit" 2 29514 --budget $((limit - 40)) --families "$families" --calibrate "$cal" --one-gpu-layers 0 \
         --timeout 300 --warmup "${WARMUP:-2}" --steps "${STEPS:-5}" --compilers "${COMPILERS:-auto,fx}" \
