@@ -12,7 +12,7 @@ from .deferred import Deferred, deferred, deferred_of
 from .costs import EqnCost, eqn_cost, format_costs, graph_costs
 from .errors import IRError, TraceError
 from .evaluate import evaluate, interpret
-from .liveness import RunBytes, output_inputs, output_storage, run_bytes
+from .liveness import RunBytes, output_inputs, output_storage, output_views, run_bytes
 from .loss import aux_names, check_loss, returns_aux
 from .printer import format_graph, program_digest
 from .slicing import Stage, slice_graph, split
@@ -21,5 +21,5 @@ from .trace import TensorSpec, trace
 __all__ = [
     "AbstractValue", "Deferred", "Eqn", "EqnCost", "Graph", "IRError", "Literal", "MixedRows", "Part", "RunBytes", "Stage", "StageAD", "TensorSpec",
     "TraceError", "Var", "aux_names", "batch_rows", "check", "check_loss", "compile_graph", "deferred", "deferred_of", "eqn_cost", "evaluate", "format_costs", "format_graph",
-    "graph_costs", "interpret", "keyed_dropout", "mixed_rows", "program_digest", "random", "row_keys", "recomputable", "returns_aux", "output_inputs", "output_storage", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
+    "graph_costs", "interpret", "keyed_dropout", "mixed_rows", "program_digest", "random", "row_keys", "recomputable", "returns_aux", "output_inputs", "output_storage", "output_views", "run_bytes", "slice_graph", "split", "stage_autodiff", "to_fx", "trace",
 ]

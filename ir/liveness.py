@@ -80,6 +80,13 @@ def output_inputs(g: Graph) -> tuple[int | None, ...]:
     return tuple(position.get(storage[v]) if isinstance(v, Var) else None for v in g.outputs)
 
 
+def output_views(g: Graph) -> tuple[bool, ...]:
+    """Per output of `g`: whether it is a view (or metadata-only result) of another value's storage, an input's
+    included, and so may have any strides; False for a value an op allocated, or a literal."""
+    storage = owners(g)[0]
+    return tuple(isinstance(v, Var) and storage[v] is not v for v in g.outputs)
+
+
 def held_bytes(g: Graph, values: Iterable[Var]) -> int:
     """Bytes `values` (of `g`) hold: each storage `g` made once, a value on an input's storage at its own size."""
     storage, made = owners(g)

@@ -174,6 +174,8 @@ class _Graphed(_Replay):
         self.pool_of: dict[str, str] = {}  # a compute's value in the pool -> its storage's name in `pooled`
         self.on: dict[str, set[str]] = {}  # a pooled storage -> its values not yet freed (views share one)
         self.inputs_of: dict[tuple[int, str], tuple[int | None, ...]] = {}  # `ir.output_inputs`, once a program
+        self.made_by: dict[str, tuple[int, bool]] = {}  # a compute's value -> (its stage, made as a view)
+        self.viewed: dict[tuple[int, str], tuple[bool, ...]] = {}  # `ir.output_views`, once a program
         self.sent: set[str] = set()  # pooled values a send reads: held to the capture step's end
         self.pool_now = self.pool_peak = 0
         self.kept: dict[str, int] = {}  # what the graphs' allocator side holds for good, by what it is
@@ -190,10 +192,14 @@ class _Graphed(_Replay):
             self._read(ref, ins.mb)
         self.pool_peak = max(self.pool_peak, self.pool_now + self._made(ins, part, acc))
         stores, first = self._stores(ins.stage, ins.kind, part), {}
-        for ref, slot, store, on_input in zip(ins.writes, part.out_slots, stores, self._on_inputs(ins, part)):
+        views = self._views(ins.stage, ins.kind, part)
+        for ref, slot, store, on_input, view in zip(ins.writes, part.out_slots, stores, self._on_inputs(ins, part),
+                                                    views):
             if ref[0] != "b" or ref in ins.reads or ref in self.pool_of:
                 continue
-            if on_input is not None:  # a view of an input: its storage, pooled already or kept for good
+            self.made_by[ref] = (ins.stage, view)
+            if on_input is not None and not self._handed_over(on_input, ins.stage):
+                # a view of an input: its storage, pooled already or kept for good
                 if on_input in self.pool_of:
                     self.pool_of[ref] = self.pool_of[on_input]
                     self.on[self.pool_of[ref]].add(ref)
@@ -206,6 +212,19 @@ class _Graphed(_Replay):
             self.pool_of[ref] = name
             self.on[name].add(ref)
         self.pool_peak = max(self.pool_peak, self.pool_now)
+
+    def _handed_over(self, ref: str, stage: int) -> bool:
+        """`ref` is another stage's value on this rank (zbv's turn of the V) that its program made as a view (a
+        transpose, say): it may come not contiguous, and then the graph reading it copies it (`Executor.compute`),
+        so a view of it is a new storage, counted at its own size. A value an op allocated is taken as contiguous
+        (a pointwise op on a transposed input keeps its strides: not modelled)."""
+        made_by = self.made_by.get(ref)
+        return made_by is not None and made_by[0] != stage and made_by[1]
+
+    def _views(self, stage: int, kind: str, part: ir.Part) -> tuple[bool, ...]:
+        if (stage, kind) not in self.viewed:
+            self.viewed[stage, kind] = ir.output_views(part.graph)
+        return self.viewed[stage, kind]
 
     def _on_inputs(self, ins: Instr, part: ir.Part) -> list[str | None]:
         """Per output of the compute: the ref of the input whose storage it lives on (`ir.output_inputs`), or None."""

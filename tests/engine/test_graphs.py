@@ -79,13 +79,14 @@ def _check(result: Any, params: Any, batch: Sequence[torch.Tensor]) -> None:
 
 
 def _graphed(schedule: str, stages: int, ranks: int, dp: int = 1, hook: Any = None,
-             model: tuple[Callable[..., Any], Any, Any] | None = None) -> tuple[Any, Any, list[Any], list[Recorded]]:
+             model: tuple[Callable[..., Any], Any, Any] | None = None,
+             cuts: tuple[int, ...] | None = None) -> tuple[Any, Any, list[Any], list[Recorded]]:
     """(params, batch, each rank's Step, each rank's Recorded graphs): TINY (or `model`: its loss function,
-    params and batch) cut evenly into `stages`."""
+    params and batch) cut evenly into `stages` (or at `cuts`)."""
     fn, params, batch = model or (make_loss_fn(TINY), init_params(TINY, torch.float64), example_batch(TINY, 8))
     n = len(ir.trace(fn, params, *[b[:2] for b in batch]).eqns)
     options = (("stages_per_rank", stages // ranks),) if schedule == "interleaved-1f1b" else ()
-    plan = Plan(schedule, stages, ranks, dp, 4, tuple(n * k // stages for k in range(1, stages)),
+    plan = Plan(schedule, stages, ranks, dp, 4, cuts or tuple(n * k // stages for k in range(1, stages)),
                 stages=tuple(StagePlan(k, 0, 0, 0) for k in range(stages)), schedule_options=options)
     steps = list(build_steps(fn, params, batch, plan, hook=hook))
     fakes = [Recorded() for _ in steps]
@@ -218,8 +219,31 @@ def test_the_graphed_pool_holds_views_of_one_value_once(schedule: str, stages: i
     assert shared > 0  # F's outputs did share storages
 
 
+def test_a_view_of_a_handed_over_value_copied_inside_the_graph_is_its_own_storage() -> None:
+    """zbv's turn of the V: stage 2 starts with a transpose, so the cotangent it hands stage 1 on rank 1 is not
+    contiguous; stage 1's B copies it inside its graph and hands W a `view` of that copy: a storage of its own in
+    the pool, not the handed-over value's (a review's case)."""
+    torch.manual_seed(0)
+    d = 8
+    params = {"w0": torch.randn(d, d, dtype=torch.float64) / 3, "w1": torch.randn(d, 4 * d, dtype=torch.float64) / 3,
+              "c1": torch.randn(4 * d, dtype=torch.float64), "w2": torch.randn(d, d, dtype=torch.float64) / 3,
+              "head": torch.randn(d, 3, dtype=torch.float64)}
+
+    def loss_fn(p, x, y):  # type: ignore[no-untyped-def]
+        b = x @ p["w0"]                                     # stage 0
+        b = torch.tanh(b) @ p["w1"] + p["c1"]               # stage 1: ends with a 3-D linear
+        b = torch.tanh(b.transpose(1, 2)) @ p["w2"]         # stage 2: starts with a transpose
+        return ((torch.tanh(b) @ p["head"]) - y).pow(2).mean()
+
+    batch = (torch.randn(8, d, d, dtype=torch.float64), torch.randn(8, 4 * d, 3, dtype=torch.float64))
+    g = ir.trace(loss_fn, params, *[t[:2] for t in batch])
+    at = [i for i, e in enumerate(g.eqns) if "matmul" in e.op or "transpose" in e.op]
+    _check_graphed_footprint("zbv", 4, 2, model=(loss_fn, params, batch), cuts=(at[0] + 1, at[2], at[3] + 2))
+
+
 def _check_graphed_footprint(schedule: str, stages: int, ranks: int,
-                             model: tuple[Callable[..., Any], Any, Any] | None = None) -> int:
+                             model: tuple[Callable[..., Any], Any, Any] | None = None,
+                             cuts: tuple[int, ...] | None = None) -> int:
     """The checks of `test_the_graphed_footprint_is_what_the_graphs_hold`, on TINY or `model`; returns how many
     of the computes' live values shared a storage with another at some point."""
     seen: dict[int, list[int]] = {r: [] for r in range(ranks)}
@@ -245,7 +269,7 @@ def _check_graphed_footprint(schedule: str, stages: int, ranks: int,
         if ex.graphs.capturing:
             seen[ex.program.rank].append(pooled(ex))
 
-    params, batch, steps, fakes = _graphed(schedule, stages, ranks, hook=hook, model=model)
+    params, batch, steps, fakes = _graphed(schedule, stages, ranks, hook=hook, model=model, cuts=cuts)
     for _ in range(2):  # eager, capture
         run_steps(steps, params, batch)
     for rank, (step, g) in enumerate(zip(steps, fakes)):

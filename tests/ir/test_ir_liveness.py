@@ -72,7 +72,8 @@ def test_the_peak_is_what_the_cpu_allocator_sees(accumulate: tuple[int, ...]) ->
 
 def test_outputs_say_which_storage_they_live_on() -> None:
     """`output_storage`: outputs on one storage the run makes name its first output and its bytes once;
-    `output_inputs`: an output on an input's storage (the input, or a view of it) names that input."""
+    `output_inputs`: an output on an input's storage (the input, or a view of it) names that input;
+    `output_views`: which outputs are views of another value (an input itself returned is not)."""
     def fn(p, x):  # type: ignore[no-untyped-def]
         a = x @ p                                   # [8, 16], made by the run
         return a.view(2, 4, 16), a.t(), x.view(-1), p, a + 1
@@ -81,6 +82,7 @@ def test_outputs_say_which_storage_they_live_on() -> None:
     made = 8 * 16 * F32
     assert ir.output_storage(g) == ((0, made), (0, made), None, None, (4, made))
     assert ir.output_inputs(g) == (None, None, 1, 0, None)
+    assert ir.output_views(g) == (True, True, True, False, False)  # `a` itself is not an output here
     p, x = torch.randn(4, 16), torch.randn(8, 4)
     outs = fn(p, x)  # as eager torch keeps them
     assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
