@@ -19,9 +19,11 @@ RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def configs(world: int) -> list[dict]:
-    """(schedule, stages, dp, stages_per_rank) that fit `world` ranks."""
+    """(schedule, stages, dp, stages_per_rank) that fit `world` ranks; FNPIPE_EQ_DP (say "2") and
+    FNPIPE_EQ_SCHEDULES (say "dualpipev,zbv") keep some of them (default: all)."""
     out = []
-    for dp in (1, 2):
+    dps = [int(d) for d in os.environ.get("FNPIPE_EQ_DP", "1,2").split(",")]
+    for dp in dps:
         if world % dp:
             continue
         p = world // dp
@@ -31,7 +33,8 @@ def configs(world: int) -> list[dict]:
                 dict(schedule="looped-bfs", stages=2 * p, dp=dp, stages_per_rank=2),
                 dict(schedule="interleaved-zb", stages=2 * p, dp=dp, stages_per_rank=2),
                 dict(schedule="dualpipev", stages=2 * p, dp=dp, microbatches=max(4, 2 * p))]  # DeepSeek's: m >= 2p
-    return out
+    kept = os.environ.get("FNPIPE_EQ_SCHEDULES")
+    return [c for c in out if kept is None or c["schedule"] in kept.split(",")]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
