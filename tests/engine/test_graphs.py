@@ -219,26 +219,28 @@ def test_the_graphed_pool_holds_views_of_one_value_once(schedule: str, stages: i
     assert shared > 0  # F's outputs did share storages
 
 
-def test_a_view_of_a_handed_over_value_copied_inside_the_graph_is_its_own_storage() -> None:
+@pytest.mark.parametrize("linears", [1, 2])
+def test_a_view_of_a_handed_over_value_copied_inside_the_graph_is_its_own_storage(linears: int) -> None:
     """zbv's turn of the V: stage 2 starts with a transpose, so the cotangent it hands stage 1 on rank 1 is not
-    contiguous; stage 1's B copies it inside its graph and hands W a `view` of that copy: a storage of its own in
-    the pool, not the handed-over value's (a review's case)."""
+    contiguous; stage 1's B copies it inside its graph and hands W a `view` of that copy (one per Linear that made
+    stage 1's output): one storage of its own in the pool, not the handed-over value's (a review's cases)."""
     torch.manual_seed(0)
     d = 8
     params = {"w0": torch.randn(d, d, dtype=torch.float64) / 3, "w1": torch.randn(d, 4 * d, dtype=torch.float64) / 3,
-              "c1": torch.randn(4 * d, dtype=torch.float64), "w2": torch.randn(d, d, dtype=torch.float64) / 3,
-              "head": torch.randn(d, 3, dtype=torch.float64)}
+              "v1": torch.randn(d, 4 * d, dtype=torch.float64) / 3, "c1": torch.randn(4 * d, dtype=torch.float64),
+              "w2": torch.randn(d, d, dtype=torch.float64) / 3, "head": torch.randn(d, 3, dtype=torch.float64)}
 
     def loss_fn(p, x, y):  # type: ignore[no-untyped-def]
-        b = x @ p["w0"]                                     # stage 0
-        b = torch.tanh(b) @ p["w1"] + p["c1"]               # stage 1: ends with a 3-D linear
+        a = torch.tanh(x @ p["w0"])                         # stage 0
+        b = a @ p["w1"] + p["c1"]                           # stage 1: ends with one or two 3-D Linears
+        b = b + torch.sin(a) @ p["v1"] if linears == 2 else b
         b = torch.tanh(b.transpose(1, 2)) @ p["w2"]         # stage 2: starts with a transpose
         return ((torch.tanh(b) @ p["head"]) - y).pow(2).mean()
 
     batch = (torch.randn(8, d, d, dtype=torch.float64), torch.randn(8, 4 * d, 3, dtype=torch.float64))
-    g = ir.trace(loss_fn, params, *[t[:2] for t in batch])
-    at = [i for i, e in enumerate(g.eqns) if "matmul" in e.op or "transpose" in e.op]
-    _check_graphed_footprint("zbv", 4, 2, model=(loss_fn, params, batch), cuts=(at[0] + 1, at[2], at[3] + 2))
+    ops = [e.op for e in ir.trace(loss_fn, params, *[t[:2] for t in batch]).eqns]
+    turn = ops.index("aten.transpose.int")
+    _check_graphed_footprint("zbv", 4, 2, model=(loss_fn, params, batch), cuts=(2, turn, turn + 3))
 
 
 def _check_graphed_footprint(schedule: str, stages: int, ranks: int,
