@@ -13,11 +13,12 @@ from typing import Iterable, Sequence
 
 import attrs
 
-from .core import Graph, Var
+from .core import Eqn, Graph, Var
 from .costs import FREE, base_name
 from .purify import is_view, resolve
 
 ALIASING = FREE - {"lift_fresh_copy"}  # metadata-only ops (a copy of a constant allocates)
+CASTS = frozenset({"to", "type_as"})  # return their input where its dtype is already the one asked for, else a copy
 
 
 @attrs.frozen
@@ -36,6 +37,14 @@ def allocates(op: str) -> bool:
     return not (base_name(op) in ALIASING or is_view(resolve(op)))
 
 
+def _makes(e: Eqn, first: Var | None) -> bool:
+    """Whether `e`'s outputs get fresh storage: its op allocates, or it casts (`to` another dtype: a copy, though
+    the schema says it may return its input)."""
+    if allocates(e.op) or first is None:
+        return True
+    return base_name(e.op) in CASTS and any(v.aval.dtype != first.aval.dtype for v in e.out_vars)
+
+
 def owners(g: Graph) -> tuple[dict[Var, Var], frozenset[Var]]:
     """Each value of `g` -> the value whose storage it lives on (itself where its op allocates, else its first
     input's: views and in-place ops), and the values whose storage `g`'s run makes (not its inputs)."""
@@ -44,8 +53,9 @@ def owners(g: Graph) -> tuple[dict[Var, Var], frozenset[Var]]:
         made: set[Var] = set()
         for e in g.eqns:
             first = next(iter(e.inputs), None)
+            makes = _makes(e, first)
             for v in e.out_vars:
-                storage[v] = v if allocates(e.op) or first is None else storage[first]
+                storage[v] = v if makes else storage[first]  # type: ignore[index]
                 if storage[v] is v:
                     made.add(v)
         _OWNERS[g] = (storage, frozenset(made))

@@ -87,3 +87,22 @@ def test_outputs_say_which_storage_they_live_on() -> None:
     outs = fn(p, x)  # as eager torch keeps them
     assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
     assert outs[2].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_a_cast_makes_a_new_tensor_and_a_same_dtype_to_is_its_input() -> None:
+    """`x.to(float32)` of a bfloat16 value allocates a float32 copy (RMSNorm computing in float32, as Llama's does),
+    `to` the dtype a value has already returns it: run_bytes against the CPU allocator, and `output_storage`."""
+    def fn(p, x):  # type: ignore[no-untyped-def]
+        h = (x @ p).to(torch.float32)                                   # a float32 copy of a bf16 product
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h.to(torch.bfloat16).to(torch.bfloat16), h.to(torch.float32)
+
+    p, x = torch.randn(64, 512, dtype=torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
+    g = _graph(fn, p, x)
+    run = ir.compile_graph(g, ())
+    run(p, x)  # warm-up outside the window
+    predicted = ir.run_bytes(g).peak
+    measured = allocator_peak(lambda: run(p, x))
+    assert predicted == pytest.approx(measured, rel=0.01, abs=1024), (predicted, measured)
+    made = 256 * 512
+    assert ir.output_storage(g) == ((0, made * 2), (1, made * F32))  # the bf16 cast, and h itself
