@@ -19,7 +19,7 @@ end the copies of them it hands out. A rank's peak is then the pool's high-water
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 
@@ -191,30 +191,37 @@ class _Graphed(_Replay):
         for ref in ins.reads:
             self._read(ref, ins.mb)
         self.pool_peak = max(self.pool_peak, self.pool_now + self._made(ins, part, acc))
-        stores, first = self._stores(ins.stage, ins.kind, part), {}
-        views = self._views(ins.stage, ins.kind, part)
-        for ref, slot, store, (on_input, copy), view in zip(ins.writes, part.out_slots, stores,
-                                                            self._on_inputs(ins, part), views):
+        outputs = zip(ins.writes, part.out_slots, self._stores(ins.stage, ins.kind, part), self._on_inputs(ins, part),
+                      self._views(ins.stage, ins.kind, part))
+        shared: dict[Any, str] = {}  # a storage this compute made, or its copy of an input -> the first output on it
+        for ref, slot, store, (on_input, copy), view in outputs:
             if ref[0] != "b" or ref in ins.reads or ref in self.pool_of:
                 continue
             self.made_by[ref] = (ins.stage, view)
             if on_input is not None and not self._handed_over(on_input, ins.stage):
-                # a view of an input: its storage, pooled already or kept for good
-                if on_input in self.pool_of:
-                    self.pool_of[ref] = self.pool_of[on_input]
-                    self.on[self.pool_of[ref]].add(ref)
-                continue
-            # views of one value share its storage; views of a handed-over input share the graph's copy of it
-            name = ref if store is None and on_input is None else first.setdefault(
-                store[0] if on_input is None else ("copy", on_input), ref)
-            if name == ref:
-                self.pooled[ref] = copy if on_input is not None else \
-                    info.ad.slot_avals[slot].nbytes if store is None else store[1]
-                self.on[ref] = set()
-                self.pool_now += self.pooled[ref]
-            self.pool_of[ref] = name
-            self.on[name].add(ref)
+                self._join(ref, on_input)  # a view of an input: its storage, pooled already or kept for good
+            elif on_input is not None:  # views of a handed-over input: the graph's one copy of it
+                self._pool(ref, shared.setdefault(("copy", on_input), ref), copy)
+            elif store is not None:  # views of one value the compute made: its storage, once
+                self._pool(ref, shared.setdefault(store[0], ref), store[1])
+            else:
+                self._pool(ref, ref, info.ad.slot_avals[slot].nbytes)
         self.pool_peak = max(self.pool_peak, self.pool_now)
+
+    def _join(self, ref: str, on_input: str) -> None:
+        """`ref` lives on `on_input`'s storage: in its pooled group, if pooled (else kept for good: no bytes)."""
+        if on_input in self.pool_of:
+            self.pool_of[ref] = self.pool_of[on_input]
+            self.on[self.pool_of[ref]].add(ref)
+
+    def _pool(self, ref: str, name: str, nbytes: int) -> None:
+        """`ref` lives on the pooled storage `name`: a new one of `nbytes` where `name` is `ref` itself."""
+        if name == ref:
+            self.pooled[ref] = nbytes
+            self.on[ref] = set()
+            self.pool_now += nbytes
+        self.pool_of[ref] = name
+        self.on[name].add(ref)
 
     def _handed_over(self, ref: str, stage: int) -> bool:
         """`ref` is another stage's value on this rank (zbv's turn of the V) that its program made as a view (a
