@@ -43,6 +43,8 @@
 #                                             # schedule="auto", and the dualpipev overlap trace (4 GPUs: P=4 too)
 # Writes JSON and the log under $OUT (else out/); each launch has its own time budget and limit, so one hang
 # does not take the others with it. The tables come last in the log. Each part fits one 10-minute command.
+# HOST_SETTLE=0.03 first waits for the host's pace to settle (benchmarks/host_pace.py); HOST_PACE=1 samples it
+# beside the part into $OUT/pace_during.txt.
 set -uo pipefail
 part=${1:?usage: h200_session.sh two|warm|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourpower|foursettle|fourcal|fourplan|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
@@ -70,6 +72,16 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
 {
   date -u; nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv; nvidia-smi topo -m
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+  if [ -n "${HOST_SETTLE:-}" ]; then  # a fresh machine's host is slow for its first minutes (NOTES.md): wait until
+                                     # its pace holds within HOST_SETTLE (a fraction) for five probes, at most
+                                     # HOST_SETTLE_MAX seconds, before the part starts
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/host_pace.py --cuda --settle "$HOST_SETTLE" \
+      --seconds "${HOST_SETTLE_MAX:-120}" --every 3 --out "$out/pace_settle.csv"
+  fi
+  if [ "${HOST_PACE:-0}" = 1 ]; then  # the host's pace sampled beside the part (CPU work only), every 5 s
+    python3 benchmarks/host_pace.py --seconds 3600 --every 5 --out "$out/pace_during.csv" > "$out/pace_during.txt" 2>&1 &
+    pace_pid=$!
+  fi
   case $part in
     two)  # at most 440 + 120 s: the budgets end each launch in time, `timeout` is the backstop
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
@@ -331,6 +343,7 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
     *) echo "unknown part $part (two, one, profile, examples, four, fourzbv, fourcopy, fourwhy, fourdata, fourhost, fourgraphs, fourcheck, fourdp, fourall, resnet, resnetwhy or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
+  [ -n "${pace_pid:-}" ] && kill "$pace_pid" 2>/dev/null
 } 2>&1 | tee "$log" | grep -v -E "^\s+(torch|fnpipe) .*: step |^\[W|UserWarning|warnings.warn"
 jsons=$(ls "$out"/bench_*.json "$out"/*/bench_*.json 2>/dev/null)
 [ -n "$jsons" ] && python3 benchmarks/bench_report.py $jsons 2>&1 | tee "$out/tables_$part.txt"
