@@ -18,7 +18,13 @@ ratios (`CostModel.stage_scale`): a region's total stays what its program ran, a
 the kinds as their pieces ran. A piece of a kind not timed that shares most (LIKE) of its forward seconds' ops with
 a timed kind's piece, both ways, is costed as that kind (`likened`: a Llama's first attention, which also makes
 RoPE's tables, ran 0.90 x its plan as the region's ratio costed it, 4 x H100, session 26); a kind alone in its
-region, and the other untimed pieces (the embedding, the head), keep the region's ratio.
+region, and the other untimed pieces (the embedding), keep the region's ratio.
+
+A piece of a kind of its own is timed too when it holds SINGLE of the forward seconds and is not costed as a timed
+kind: a language model's head and loss. Its region is mostly its own (the regions cut at equal time, and a GPT's
+head of 50,257 words holds about four blocks' worth), so the region's ratio was mostly the head's, but not only:
+GPT's head-only stage at p = 4 ran 0.86 x its plan's forward and 0.79 x its B where the last block beside it in
+the region took the rest (4 x H100, inductor, session 27).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ KINDS = 4  # kinds of piece timed at most (each costs a compile of its four prog
 SHARE = 0.005  # a piece below this share of the model's forward seconds is not timed: its launches, not its work
 TOTAL = 0.05  # nor a kind whose pieces together hold less (a norm the head and one block share): its ratio moves
 # little
+SINGLE = 0.05  # a piece of a kind of its own is timed when it holds this share of the model's forward seconds
 LIKE = 0.8  # a piece of an untimed kind whose forward seconds lie this much in a timed kind's ops runs as it does
 COVER = 0.5  # nor unless the kinds timed hold this share of the model's forward seconds: a stack of alike blocks
 # (a ResNet's repeated pieces are single convolutions and BatchNorm fragments, about 1 % each: its regions stand)
@@ -50,7 +57,8 @@ def timed_pieces(g: ir.Graph, times: Sequence[float]) -> list[tuple[int, int, in
     """(kind, start, stop) of one piece of each kind worth timing (`times`: the equations' forward seconds): kinds
     of two pieces or more, each piece at least SHARE of the total and all of them TOTAL, the KINDS costliest in all,
     the middle piece of each; none unless two kinds qualify (one kind's ratio cancels in its regions) and they
-    hold COVER of the total."""
+    hold COVER of the total. Then, while fewer than KINDS, the costliest pieces of a kind of their own that hold
+    SINGLE of the total and are not costed as a kind timed (`likened`): a language model's head."""
     total = sum(times)
     found: dict[int, list[tuple[int, int]]] = {}
     for kind, start, stop in block_pieces(g):
@@ -66,7 +74,11 @@ def timed_pieces(g: ir.Graph, times: Sequence[float]) -> list[tuple[int, int, in
     covered = sum(seconds(pieces[0]) * len(pieces) for _, pieces in repeated[:KINDS])
     if len(chosen) < 2 or covered < COVER * total:
         return []
-    return sorted(chosen, key=lambda piece: piece[1])
+    costed_as = likened(g, chosen, times)
+    singles = [(kind, *pieces[0]) for kind, pieces in found.items() if len(pieces) == 1
+               and costed_as[pieces[0][0]] == kind and seconds(pieces[0]) >= SINGLE * total]
+    singles.sort(key=lambda piece: -seconds(piece[1:]))
+    return sorted(chosen + singles[:KINDS - len(chosen)], key=lambda piece: piece[1])
 
 
 def piece_scale(g: ir.Graph, device: torch.device, region: MeasuredScale, cal: Calibration,
