@@ -145,6 +145,9 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
             goal = x <= 1.03 if one["variant"].endswith(":fx") else True
             out.append(f"fnpipe one stage {one['variant']} / eager autograd s/step = {x:.3f}"
                        f"{' (goal <= 1.03)' if one['variant'].endswith(':fx') else ''}: {_verdict(goal)}")
+    for pair in (r for r in rows if r["framework"] == "paired"):
+        out.append(f"fnpipe one stage fx / eager autograd, {pair['rounds']} paired rounds: median ratio "
+                   f"{pair['median_ratio']:.3f} (goal <= 1.03): {_verdict(pair['median_ratio'] <= 1.03)}")
     comp = find(rows, "torch", "compiled", "1f1b")
     piped = [r for r in rows if r["framework"] == "fnpipe" and r.get("ranks", 0) > 1 and "median_s" in r]
     if comp and piped:

@@ -19,7 +19,8 @@ Per family (`--families gpt,llama`; sizes in benchmarks/families.py: the 1 B GPT
     default: inductor on CUDA; and "fx"), each row with its predictions (the plan's step time, each rank's
     replayed peak), parallelize's seconds plus the first step's, and the compile seconds per stage;
   - on rank 0 alone, a model of `--one-gpu-layers` blocks: eager autograd (the nn.Module, loss.backward
-    per microbatch), torch.func.grad, fnpipe one stage for each compiler.
+    per microbatch), torch.func.grad, fnpipe one stage for each compiler; with `--one-gpu-paired N`, eager
+    autograd and fnpipe's fx one stage again, side by side, N rounds of one step each (`step_timer.paired`).
 Rows run in tiers across the families (`rows_of`): both baselines first, then fnpipe's default on 1f1b and
 zb-h1, then fx there, then the rest; the budget (`--budget`, bench_guard.py) skips what no longer fits,
 every rank alike, so the command ends in time with the rows that matter most. Last of the launch come the
@@ -56,7 +57,7 @@ from engine.execution.graphs import pool_bytes  # noqa: E402
 from benchmarks import bench_report, torch_pp_baseline  # noqa: E402
 from benchmarks.bench_guard import Guard  # noqa: E402
 from benchmarks.families import Family, family, lm_loss  # noqa: E402
-from benchmarks.step_timer import Measurement, measure  # noqa: E402
+from benchmarks.step_timer import Measurement, measure, paired  # noqa: E402
 
 
 class Bench:
@@ -413,13 +414,34 @@ def one_device_rows(b: Bench) -> None:
                                                             across_ranks=False), 1)) if "grad" in wanted else None,
                 *[(f"fnpipe 1-stage {c}", lambda c=c: run_fnpipe(b, "1f1b", compiler=c, alone=True))
                   for c in _items(b.args.one_gpu_compilers or b.args.compilers)
-                  if "fnpipe" in wanted and set(c.split("-")[1:]) <= {"graphs"}]]  # one stage: no split to keep
+                  if "fnpipe" in wanted and set(c.split("-")[1:]) <= {"graphs"}],  # one stage: no split to keep
+                ("paired fx / eager", lambda: paired_rounds(b, b.args.one_gpu_paired))
+                if b.args.one_gpu_paired and {"eager", "fnpipe"} <= set(wanted) else None]
         for label, run in [r for r in rows if r is not None]:
             if b.guard.elapsed() + b.args.min_row > b.guard.budget:  # rank 0 alone: its own clock decides
                 b.rows.append({"framework": "skipped", "variant": label, "schedule": "1-gpu", "error": "out of budget"})
                 continue
             guarded(b, label, run, collective=False)
     b.sync_ranks()
+
+
+def paired_rounds(b: Bench, rounds: int) -> None:
+    """Eager autograd and fnpipe's one stage (fx) built side by side and their steps alternated (`paired`): the
+    one-stage goal's ratio at one host pace, where the rows above each met whatever pace their minutes had."""
+    eager = eager_step(b)
+    step = alone_step(b, "1f1b", compiler="fx")
+    local = step.shard(b.params)
+    x, y = b.tokens.to(b.world.device), b.targets.to(b.world.device)
+    eager_s, fnpipe_s = paired(eager, lambda: step(local, x, y)[0], rounds=rounds, device=b.world.device)
+    ratios = sorted(f / e for f, e in zip(fnpipe_s, eager_s))
+    b.rows.append({"framework": "paired", "variant": "fx/eager-autograd", "schedule": "1-gpu-paired",
+                   "rounds": rounds, "eager_s": eager_s, "fnpipe_s": fnpipe_s,
+                   "median_ratio": ratios[len(ratios) // 2]})
+    b.log(f"paired rounds: eager {min(eager_s):.4f}-{max(eager_s):.4f} s, fnpipe fx {min(fnpipe_s):.4f}-"
+          f"{max(fnpipe_s):.4f} s, fx / eager per round {ratios[0]:.3f}-{ratios[-1]:.3f}, median "
+          f"{ratios[len(ratios) // 2]:.3f}")
+    step.close()
+    del step, local
 
 
 def guarded(b: Bench, label: str, run: Callable[[], None], *, collective: bool = True,
@@ -504,6 +526,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "--compilers')")
     ap.add_argument("--one-gpu-rows", default="eager,grad,fnpipe", help="which one-device rows: eager autograd, "
                     "torch.func.grad, fnpipe one stage (per compiler)")
+    ap.add_argument("--one-gpu-paired", type=int, default=0, help="rounds of eager autograd and fnpipe's one "
+                    "stage (fx) alternated, one step each (0: none): the one-stage ratio at one host pace")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = stages x dp)")
     ap.add_argument("--stages-per-rank", type=int, default=2, help="v of the interleaved schedules")

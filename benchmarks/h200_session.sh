@@ -117,8 +117,8 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
       export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
       limit=${ONE_LIMIT:-560}  # ONE_LIMIT trims it to what a session's device time has left
       timeout "$limit" python3 benchmarks/gpu_pipeline.py --single --budget $((limit - 30)) --families "$families" \
-        --one-gpu-layers 8 \
-        --calibrate "$cal" --out-dir "$out"
+        --one-gpu-layers 8 --one-gpu-paired "${PAIRED:-20}" --compilers "${COMPILERS:-auto,fx}" \
+        --one-gpu-rows "${ONE_GPU_ROWS:-eager,grad,fnpipe}" --calibrate "$cal" --out-dir "$out"
       ;;
     profile)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_stage.py --calibrate "$cal" \

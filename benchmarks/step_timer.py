@@ -88,3 +88,27 @@ def measure(step_fn: Callable[[], Any], *, loss_of: Callable[[Any], float], warm
     rows = _spread(mem, device, "gather") if distributed else mem[None]
     return Measurement(tuple(times), tuple(losses), tuple(int(x) for x in rows[:, 0]), tuple(int(x) for x in rows[:, 1]),
                        first_s=first, residue_bytes=tuple(int(x) for x in rows[:, 2]))
+
+
+def paired(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, device: torch.device,
+           warmup: int = 2) -> tuple[list[float], list[float]]:
+    """Seconds of `a` and `b` (each one step, one process) alternated: `warmup` untimed rounds, then `rounds`
+    rounds of one timed `a` step and one timed `b` step. A shared machine's host moves between paces (11 against
+    18 ms for the same Python on an H200 host, `host_pace.py`, session 30), and two rows timed minutes apart may
+    each meet another pace; a round's two steps meet the same one, so the median of the rounds' ratios compares
+    the two at one pace."""
+    def timed(step: Callable[[], Any]) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        out = step()
+        _sync(device)
+        del out
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        timed(a), timed(b)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        times[0].append(timed(a))
+        times[1].append(timed(b))
+    return times

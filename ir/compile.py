@@ -1,8 +1,12 @@
 """Lowering a graph to a torch.fx GraphModule: generated Python with per-op cost close to eager."""
 from __future__ import annotations
 
+import itertools
 import keyword
+import linecache
 import operator
+import re
+import types
 import weakref
 from typing import Any, Callable
 
@@ -86,13 +90,40 @@ def to_fx(g: Graph, accumulate: tuple[int, ...] = ()) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(b.root, b.fg)
 
 
+_OP_CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")  # fx's text for a call of an op overload
+_PROGRAMS = itertools.count()
+
+
+def bound_ops(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """`gm`'s forward, its code as fx generated it (values freed after their last use) but for each op overload's
+    call: `torch.ops.aten.mm.default(a, b)` looks up four attributes and runs the overload's Python `__call__`,
+    which calls its C++ builtin (`OpOverload._op`); here the code calls that builtin by a name of its own, as
+    eager PyTorch's Python calls its builtins. About 0.7 of the 2.4 us a call costs on a 2-core CPU host, times
+    every op of a launch-bound program (an fx Llama stage's forward runs at its host's pace on an H200). Not for
+    torch.compile, which traces op overloads, not their builtins (`to_fx` for that)."""
+    names: dict[str, Any] = {}
+
+    def bind(m: re.Match[str]) -> str:
+        overload = getattr(getattr(getattr(torch.ops, m[1]), m[2]), m[3])
+        name = f"_op_{m[1]}_{m[2]}_{m[3]}"
+        names[name] = getattr(overload, "_op", overload)
+        return f"{name}("
+
+    code = _OP_CALL.sub(bind, gm.code)
+    filename = f"<fnpipe program {next(_PROGRAMS)}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # tracebacks show the line
+    scope = {**gm.forward.__func__.__globals__, **names}  # type: ignore[attr-defined]
+    exec(compile(code, filename, "exec"), scope)  # noqa: S102 -- code fx generated, its calls renamed
+    return types.MethodType(scope["forward"], gm)
+
+
 def compile_graph(g: Graph, accumulate: tuple[int, ...] = ()) -> Callable[..., tuple[Any, ...]]:
     """The compiled callable for `g` (cached per graph and `accumulate`): `fn(*flat_inputs) -> tuple of
-    outputs`; with `accumulate` (see `to_fx`), `fn(*flat_inputs, *accumulators)`. IRError for a graph
-    traced for a device this machine lacks."""
+    outputs`; with `accumulate` (see `to_fx`), `fn(*flat_inputs, *accumulators)`. fx's generated program, its op
+    calls bound (`bound_ops`). IRError for a graph traced for a device this machine lacks."""
     per_graph = _CACHE.setdefault(g, {})
     fn = per_graph.get(accumulate)
     if fn is None:
         require_runnable(g)
-        fn = per_graph[accumulate] = to_fx(g, accumulate)
+        fn = per_graph[accumulate] = bound_ops(to_fx(g, accumulate))
     return fn

@@ -106,7 +106,8 @@ def inductor(graph: ir.Graph, accumulate: tuple[int, ...]) -> Compiled:
     cpp = cpp_wrapper()
     key = (*program_key(graph, accumulate), cpp)
     if key not in _SHARED:
-        fx = ir.compile_graph(graph, accumulate)
+        ir.require_runnable(graph)
+        fx = ir.to_fx(graph, accumulate)  # op overloads, as torch.compile traces them (not `ir.compile_graph`'s)
         python = _compiled(fx, cpp=False)
         _SHARED[key] = _Fallback(_compiled(fx, cpp=True), python) if cpp else python
     return _SHARED[key]
