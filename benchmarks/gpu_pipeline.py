@@ -441,7 +441,6 @@ def paired_rounds(b: Bench, rounds: int) -> None:
           f"{max(fnpipe_s):.4f} s, fx / eager per round {ratios[0]:.3f}-{ratios[-1]:.3f}, median "
           f"{ratios[len(ratios) // 2]:.3f}")
     step.close()
-    del step, local
 
 
 def guarded(b: Bench, label: str, run: Callable[[], None], *, collective: bool = True,
