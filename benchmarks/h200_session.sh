@@ -10,6 +10,7 @@
 #   bash benchmarks/h200_session.sh warm [llama] # 2 GPUs: the default 1f1b cold, then warm twice: setup phases
 #   bash benchmarks/h200_session.sh one       # 1 GPU: eager autograd, torch.func.grad, fnpipe one stage fx / auto
 #   bash benchmarks/h200_session.sh profile   # 1 GPU: one stage kernel by kernel against torch.func.grad
+#   bash benchmarks/h200_session.sh stages    # 1 GPU: a p = 4 zbv plan's stage costs against its programs in turn
 #   bash benchmarks/h200_session.sh examples  # 2 GPUs: examples/train_gpt.py under torchrun and mpirun
 #   bash benchmarks/h200_session.sh four      # 4 GPUs: depth 4, both families, every schedule; the model on one GPU
 #   bash benchmarks/h200_session.sh fourdp    # 4 GPUs: NCCL equivalence at 4 ranks, then DP2 x PP2
@@ -46,7 +47,7 @@
 # HOST_SETTLE=0.03 first waits for the host's pace to settle (benchmarks/host_pace.py); HOST_PACE=1 samples it
 # beside the part into $OUT/pace_during.txt.
 set -uo pipefail
-part=${1:?usage: h200_session.sh two|warm|one|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourpower|foursettle|fourcal|fourplan|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
+part=${1:?usage: h200_session.sh two|warm|one|stages|profile|examples|four|fourzbv|fourcopy|fourwhy|fourdata|fourhost|fourgraphs|fourpower|foursettle|fourcal|fourplan|fourcheck|fourdp|fourall|resnet|resnetwhy|schedlib}
 families=${2:-gpt,llama}
 out=${OUT:-out}
 cal=${CAL_DIR:-/tmp/fnpipe_cal}  # op timings, kept between the parts of one machine's session
@@ -119,6 +120,11 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
       timeout "$limit" python3 benchmarks/gpu_pipeline.py --single --budget $((limit - 30)) --families "$families" \
         --one-gpu-layers 8 --one-gpu-paired "${PAIRED:-20}" --compilers "${COMPILERS:-auto,fx}" \
         --one-gpu-rows "${ONE_GPU_ROWS:-eager,grad,fnpipe}" --calibrate "$cal" --out-dir "$out"
+      ;;
+    stages)  # 1 GPU: the planner's stage costs of a p = 4 zbv plan against its stage programs timed in turn, with
+             # and without the head timed as a piece (TABLES=now: the current calibration alone, about half the time)
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} ENGINE_LOG_LEVEL_CALIBRATE=INFO timeout "${STAGES_LIMIT:-560}" \
+        python3 benchmarks/stage_check.py --families "$families" --tables "${TABLES:-before,now}" --out-dir "$out/stages"
       ;;
     profile)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_stage.py --calibrate "$cal" \
@@ -340,7 +346,7 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
         --risky-timeout 60 --out-dir "$out/schedlib"
       OUT="$out" timeout 120 torchrun --nproc_per_node 2 --master-port 29522 benchmarks/dualpipev_trace.py
       ;;
-    *) echo "unknown part $part (two, one, profile, examples, four, fourzbv, fourcopy, fourwhy, fourdata, fourhost, fourgraphs, fourcheck, fourdp, fourall, resnet, resnetwhy or schedlib)"; exit 2 ;;
+    *) echo "unknown part $part (two, one, stages, profile, examples, four, fourzbv, fourcopy, fourwhy, fourdata, fourhost, fourgraphs, fourcheck, fourdp, fourall, resnet, resnetwhy or schedlib)"; exit 2 ;;
   esac
   cp "$cal"/*.json "$out"/ 2>/dev/null
   [ -n "${pace_pid:-}" ] && kill "$pace_pid" 2>/dev/null

@@ -2,7 +2,7 @@
 stage of a p = 4 plan as its programs run, and did timing the head as a piece of its own change that?
 
     PYTHONPATH=. python benchmarks/stage_check.py [--families gpt,llama] [--schedule zbv] [--world 4]
-                                                  [--out-dir DIR]
+                                                  [--tables before,now] [--out-dir DIR]
     PYTHONPATH=. python benchmarks/stage_check.py --size tiny --device cpu --compiler fx   # a CPU smoke test
 
 For each family (the benchmark's 16 blocks, bf16, 8 microbatches of 4, inductor): the op table and the whole
@@ -41,8 +41,12 @@ from engine.planning.search import search  # noqa: E402
 MICROBATCHES, ROWS = 8, 4
 
 
-def tables(fam: Any, workshop: Workshop, dev: torch.device, out: Path, compiler: str) -> dict[str, Calibration]:
-    """The op table and program scale timed once, then the region scales without and with the head's piece."""
+TABLES = {"before": 2.0, "now": pieces.SINGLE}  # a table -> its pieces.SINGLE (above 1: no piece of its own)
+
+
+def tables(fam: Any, workshop: Workshop, dev: torch.device, out: Path, compiler: str,
+           names: list[str]) -> dict[str, Calibration]:
+    """The op table and program scale timed once, then the region scales of each of `names` (TABLES)."""
     example = microbatch_example(workshop.batch, MICROBATCHES)
     graph = workshop.graph(ROWS)
     real = pytree.tree_leaves((workshop.params, example))
@@ -51,7 +55,7 @@ def tables(fam: Any, workshop: Workshop, dev: torch.device, out: Path, compiler:
     base = calibrate_training(graph, dev, inputs=real, compile_program=COMPILERS["fx"], compiled=others)
     print(f"{fam.name}: ops and program scale timed in {time.perf_counter() - started:.0f} s", flush=True)
     made = {}
-    for name, single in (("before", 2.0), ("now", pieces.SINGLE)):
+    for name, single in ((n, TABLES[n]) for n in names):
         saved, pieces.SINGLE = pieces.SINGLE, single
         try:
             started = time.perf_counter()
@@ -128,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", default="base")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compiler", default="inductor", choices=sorted(COMPILERS))
+    ap.add_argument("--tables", default="before,now", help="which calibrations plan: before (no piece of a kind "
+                    "of its own timed), now")
     a = ap.parse_args(argv)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         params = fam.params(dtype, dev, 0)
         tokens, targets = fam.batch(MICROBATCHES * ROWS, 0)
         workshop = Workshop(fam.loss_fn(), params, (tokens.to(dev), targets.to(dev)), device=dev.type)
-        cals = tables(fam, workshop, dev, out, a.compiler)
+        cals = tables(fam, workshop, dev, out, a.compiler, a.tables.split(","))
         rows += check(fam, workshop, dev, cals, a, {})
         (out / "stage_check.json").write_text(json.dumps(rows, indent=1))
 
