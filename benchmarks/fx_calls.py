@@ -82,9 +82,10 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(3):
             timed(run)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(a.rounds):
-        for name, run in variants.items():
-            times[name].append(timed(run))
+    names = list(variants)
+    for k in range(a.rounds):  # each round starts with the next variant: none always runs after the same one
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            times[name].append(timed(variants[name]))
     print(f"{fam.describe()}, {a.layers} blocks, microbatch {ROWS}, {dtype}, {a.device}, {a.rounds} rounds")
     print(f"{'variant':36} {'median ms':>10} {'min ms':>8} {'x eager (rounds median)':>24}")
     for name, t in times.items():

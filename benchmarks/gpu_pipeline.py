@@ -40,6 +40,7 @@ import contextlib
 import gc
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -430,17 +431,18 @@ def paired_rounds(b: Bench, rounds: int) -> None:
     one-stage goal's ratio at one host pace, where the rows above each met whatever pace their minutes had."""
     eager = eager_step(b)
     step = alone_step(b, "1f1b", compiler="fx")
-    local = step.shard(b.params)
-    x, y = b.tokens.to(b.world.device), b.targets.to(b.world.device)
-    eager_s, fnpipe_s = paired(eager, lambda: step(local, x, y)[0], rounds=rounds, device=b.world.device)
-    ratios = sorted(f / e for f, e in zip(fnpipe_s, eager_s))
+    try:
+        local = step.shard(b.params)
+        x, y = b.tokens.to(b.world.device), b.targets.to(b.world.device)
+        eager_s, fnpipe_s = paired(eager, lambda: step(local, x, y)[0], rounds=rounds, device=b.world.device)
+    finally:
+        step.close()
+    ratios = [f / e for f, e in zip(fnpipe_s, eager_s)]
+    median = statistics.median(ratios)
     b.rows.append({"framework": "paired", "variant": "fx/eager-autograd", "schedule": "1-gpu-paired",
-                   "rounds": rounds, "eager_s": eager_s, "fnpipe_s": fnpipe_s,
-                   "median_ratio": ratios[len(ratios) // 2]})
+                   "rounds": rounds, "eager_s": eager_s, "fnpipe_s": fnpipe_s, "median_ratio": median})
     b.log(f"paired rounds: eager {min(eager_s):.4f}-{max(eager_s):.4f} s, fnpipe fx {min(fnpipe_s):.4f}-"
-          f"{max(fnpipe_s):.4f} s, fx / eager per round {ratios[0]:.3f}-{ratios[-1]:.3f}, median "
-          f"{ratios[len(ratios) // 2]:.3f}")
-    step.close()
+          f"{max(fnpipe_s):.4f} s, fx / eager per round {min(ratios):.3f}-{max(ratios):.3f}, median {median:.3f}")
 
 
 def guarded(b: Bench, label: str, run: Callable[[], None], *, collective: bool = True,

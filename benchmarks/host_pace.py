@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if a.settle is not None:
             print(f"host not settled in {a.seconds:.0f} s", flush=True)
+    if not rows:
+        return
     first, last = rows[0], rows[-1]
     print("first / last probe: " + ", ".join(f"{k} {f / l:.2f} x" for k, f, l in zip(pieces, first[1:], last[1:])),
           flush=True)

@@ -6,8 +6,9 @@ stage of a p = 4 plan as its programs run, and did timing the head as a piece of
     PYTHONPATH=. python benchmarks/stage_check.py --size tiny --device cpu --compiler fx   # a CPU smoke test
 
 For each family (the benchmark's 16 blocks, bf16, 8 microbatches of 4, inductor): the op table and the whole
-model's program scale timed here (`calibrate_training`), then the region scales twice (`with_regions`): as
-before session 30 (no piece of a kind of its own timed: `pieces.SINGLE` above 1) and as now (the head timed).
+model's program scale and its region scales timed here (`calibrate_training`, `region_scale`), then its pieces
+twice (`piece_scale`): as before session 30 (no piece of a kind of its own timed: `pieces.SINGLE` above 1) and as
+now (the head timed).
 Each table plans the benchmark's `--schedule` at `--world` ranks (the plan a `--world`-GPU launch makes from this
 calibration), and every stage of each plan has its forward, B and W programs (as the runtime makes them:
 `Planned.stages`) compiled and timed on this GPU, each behind a spin of the device as calibration times them.
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
@@ -35,7 +37,8 @@ from engine.execution.step import microbatch_example  # noqa: E402
 from engine.planning import pieces  # noqa: E402
 from engine.planning.artifacts import Workshop  # noqa: E402
 from engine.planning.calibration import Calibration, Programs, calibrate_training, ops_sums  # noqa: E402
-from engine.planning.regions import with_regions  # noqa: E402
+from engine.planning.measured import MeasuredScale, batch_key  # noqa: E402
+from engine.planning.regions import region_scale  # noqa: E402
 from engine.planning.search import search  # noqa: E402
 
 MICROBATCHES, ROWS = 8, 4
@@ -46,7 +49,8 @@ TABLES = {"before": 2.0, "now": pieces.SINGLE}  # a table -> its pieces.SINGLE (
 
 def tables(fam: Any, workshop: Workshop, dev: torch.device, out: Path, compiler: str,
            names: list[str]) -> dict[str, Calibration]:
-    """The op table and program scale timed once, then the region scales of each of `names` (TABLES)."""
+    """The op table, program scale and region scales timed once, then each of `names`' pieces (TABLES) spread
+    over the same regions: the tables differ by their pieces alone."""
     example = microbatch_example(workshop.batch, MICROBATCHES)
     graph = workshop.graph(ROWS)
     real = pytree.tree_leaves((workshop.params, example))
@@ -54,17 +58,26 @@ def tables(fam: Any, workshop: Workshop, dev: torch.device, out: Path, compiler:
     others = {} if compiler == "fx" else {compiler: COMPILERS[compiler]}
     base = calibrate_training(graph, dev, inputs=real, compile_program=COMPILERS["fx"], compiled=others)
     print(f"{fam.name}: ops and program scale timed in {time.perf_counter() - started:.0f} s", flush=True)
+    level = False if compiler == "fx" else "cheap"  # as `regions.with_regions` times them
+    started = time.perf_counter()
+    region, base = region_scale(graph, dev, base, real, level=level, compile_program=COMPILERS[compiler])
+    print(f"{fam.name}: regions timed in {time.perf_counter() - started:.0f} s", flush=True)
     made = {}
     for name, single in ((n, TABLES[n]) for n in names):
         saved, pieces.SINGLE = pieces.SINGLE, single
         try:
             started = time.perf_counter()
-            made[name] = with_regions(graph, dev, base, real, {compiler: COMPILERS[compiler]})
+            if region is None:
+                scale, cal = MeasuredScale(len(graph.eqns), (), batch_key(graph)), base
+            else:
+                scale, cal = pieces.piece_scale(graph, dev, region, base, real, level=level,
+                                                compile_program=COMPILERS[compiler])
+            made[name] = attrs.evolve(cal, regions={compiler: scale})
         finally:
             pieces.SINGLE = saved
         made[name].save(out / f"cal_{fam.name}_{name}.json")
         region = made[name].regions[compiler]
-        print(f"{fam.name} {name}: regions and pieces in {time.perf_counter() - started:.0f} s: "
+        print(f"{fam.name} {name}: pieces in {time.perf_counter() - started:.0f} s: "
               f"{len(region.spans)} spans", flush=True)
     return made
 
@@ -87,7 +100,7 @@ def timed_stage(info: Any, workshop: Workshop, dev: torch.device, cal: Calibrati
 
 
 def check(fam: Any, workshop: Workshop, dev: torch.device, cals: dict[str, Calibration], a: argparse.Namespace,
-          measured: dict[tuple[int, int], tuple[float, float, float]]) -> list[dict[str, Any]]:
+          measured: dict[tuple[Any, ...], tuple[float, float, float]]) -> list[dict[str, Any]]:
     rows = []
     for name, cal in cals.items():
         started = time.perf_counter()
@@ -101,7 +114,7 @@ def check(fam: Any, workshop: Workshop, dev: torch.device, cals: dict[str, Calib
               f"{'W meas':>6} | {'F x':>5} {'B x':>5} {'W x':>5} {'sum x':>5}")
         loads, ran_loads = [0.0] * plan.pipeline_depth, [0.0] * plan.pipeline_depth
         for st, info in zip(plan.stages, planned.stages):
-            key = (st.start, st.stop)
+            key = (st.start, st.stop, plan.recompute[st.index], plan.remat[st.index])
             if key not in measured:
                 measured[key] = timed_stage(info, workshop, dev, cal, a.compiler)
             f, b, w = measured[key]

@@ -93,9 +93,10 @@ def measure(step_fn: Callable[[], Any], *, loss_of: Callable[[Any], float], warm
 def paired(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, device: torch.device,
            warmup: int = 2) -> tuple[list[float], list[float]]:
     """Seconds of `a` and `b` (each one step, one process) alternated: `warmup` untimed rounds, then `rounds`
-    rounds of one timed `a` step and one timed `b` step. A shared machine's host moves between paces (11 against
-    18 ms for the same Python on an H200 host, `host_pace.py`, session 30), and two rows timed minutes apart may
-    each meet another pace; a round's two steps meet the same one, so the median of the rounds' ratios compares
+    rounds of one timed `a` step and one timed `b` step, `a` first in even rounds and `b` first in odd ones (what
+    runs second in a round meets what the first left behind). A shared machine's host moves between paces (11
+    against 18 ms for the same Python on an H200 host, `host_pace.py`, session 30), and two rows timed minutes apart
+    may each meet another pace; a round's two steps meet the same one, so the median of the rounds' ratios compares
     the two at one pace."""
     def timed(step: Callable[[], Any]) -> float:
         _sync(device)
@@ -108,7 +109,8 @@ def paired(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, device: t
     for _ in range(warmup):
         timed(a), timed(b)
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(rounds):
-        times[0].append(timed(a))
-        times[1].append(timed(b))
+    for k in range(rounds):
+        first, second = (0, 1) if k % 2 == 0 else (1, 0)
+        for which in (first, second):
+            times[which].append(timed((a, b)[which]))
     return times

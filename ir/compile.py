@@ -112,6 +112,7 @@ def bound_ops(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     code = _OP_CALL.sub(bind, gm.code)
     filename = f"<fnpipe program {next(_PROGRAMS)}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # tracebacks show the line
+    weakref.finalize(gm, linecache.cache.pop, filename, None)  # kept while the program lives, no longer
     scope = {**gm.forward.__func__.__globals__, **names}  # type: ignore[attr-defined]
     exec(compile(code, filename, "exec"), scope)  # noqa: S102 -- code fx generated, its calls renamed
     return types.MethodType(scope["forward"], gm)

@@ -20,8 +20,8 @@ a timed kind's piece, both ways, is costed as that kind (`likened`: a Llama's fi
 RoPE's tables, ran 0.90 x its plan as the region's ratio costed it, 4 x H100, session 26); a kind alone in its
 region, and the other untimed pieces (the embedding), keep the region's ratio.
 
-A piece of a kind of its own is timed too when it holds SINGLE of the forward seconds and is not costed as a timed
-kind: a language model's head and loss. Its region is mostly its own (the regions cut at equal time, and a GPT's
+A piece of a kind of its own is timed too when it holds SINGLE of the forward seconds, is not costed as a timed
+kind and shares its region with a timed kind (alone there, its ratio would cancel): a language model's head and loss. Its region is mostly its own (the regions cut at equal time, and a GPT's
 head of 50,257 words holds about four blocks' worth), so the region's ratio was mostly the head's, but not only:
 GPT's head-only stage at p = 4 ran 0.86 x its plan's forward and 0.79 x its B where the last block beside it in
 the region took the rest (4 x H100, inductor, session 27).
@@ -88,8 +88,10 @@ def piece_scale(g: ir.Graph, device: torch.device, region: MeasuredScale, cal: C
     docstring), and `cal` with the ops only the pieces' programs have timed; `region` as it is where no two kinds
     are worth timing or a piece cannot be timed (logged)."""
     times = [cal.times.get(signature(e), 0.0) for e in g.eqns]
-    chosen = timed_pieces(g, times)
-    if not chosen or not region.matches(g):
+    if not region.matches(g):
+        return region, cal
+    chosen = accompanied(g, timed_pieces(g, times), region, times)
+    if not chosen:
         return region, cal
     stages = [_piece(g, start, stop) for _, start, stop in chosen]
 
@@ -105,6 +107,24 @@ def piece_scale(g: ir.Graph, device: torch.device, region: MeasuredScale, cal: C
              "; ".join(f"eqns {start}:{stop} " + " / ".join("-" if x is None else f"{x:.2f}" for x in ratios[kind])
                        for kind, start, stop in chosen))
     return spread(region, likened(g, chosen, times), ratios, times), cal
+
+
+def accompanied(g: ir.Graph, chosen: Sequence[tuple[int, int, int]], region: MeasuredScale,
+                times: Sequence[float]) -> list[tuple[int, int, int]]:
+    """`chosen` (`timed_pieces`) without each piece of a kind of its own whose region (a span of `region`) holds
+    no other kind timed: alone there, its ratio cancels (`spread`), and timing it would cost its compiles for
+    nothing (a head and loss that hold a region's whole time)."""
+    counts: dict[int, int] = {}
+    for kind, _, _ in block_pieces(g):
+        counts[kind] = counts.get(kind, 0) + 1
+    kinds = likened(g, chosen, times)
+    timed = {kind for kind, _, _ in chosen}
+
+    def company(kind: int, start: int) -> bool:
+        span = next((s for s in region.spans if s.start <= start < s.stop), None)
+        return span is not None and any(kinds[i] in timed - {kind} for i in range(span.start, span.stop))
+
+    return [(kind, start, stop) for kind, start, stop in chosen if counts[kind] >= 2 or company(kind, start)]
 
 
 def likened(g: ir.Graph, chosen: Sequence[tuple[int, int, int]], times: Sequence[float]) -> list[int]:
@@ -151,18 +171,18 @@ def spread(region: MeasuredScale, kinds: Sequence[int], ratios: Mapping[int, Rat
            times: Sequence[float]) -> MeasuredScale:
     """`region` with each pass's ratio of a timed kind's equation (`kinds[i]` in `ratios`) multiplied, in its
     region, by its kind's ratio over the timed kinds' mean there, weighted by `times` (forward seconds): each
-    region's time-weighted ratio is kept, equations of kinds not timed keep theirs. A pass where some kind's ratio
-    is None (not measured) is left as it is: the kinds' ratios compare only where all were measured alike."""
+    region's time-weighted ratio is kept, equations of kinds not timed keep theirs. A kind whose ratio of a pass is
+    None (not measured: B and W not timed apart, an embedding's empty B) keeps the region's ratio in that pass, and
+    the others are spread among themselves: the kinds' ratios compare only where measured alike."""
     columns = [list(column) for column in region.columns()]
     for span in region.spans:
         timed = [i for i in range(span.start, span.stop) if kinds[i] in ratios and times[i] > 0]
-        weight = sum(times[i] for i in timed)
         for p, column in enumerate(columns):
-            if any(ratios[kinds[i]][p] is None for i in timed):
-                continue
-            raw = sum(times[i] * ratios[kinds[i]][p] for i in timed)  # type: ignore[operator]
+            measured = [i for i in timed if ratios[kinds[i]][p] is not None]
+            weight = sum(times[i] for i in measured)
+            raw = sum(times[i] * ratios[kinds[i]][p] for i in measured)  # type: ignore[operator]
             if weight <= 0 or raw <= 0:
                 continue
-            for i in timed:
+            for i in measured:
                 column[i] *= ratios[kinds[i]][p] * weight / raw  # type: ignore[operator]
     return MeasuredScale(region.num_eqns, spans_of(columns), region.batch)

@@ -148,8 +148,9 @@ def test_with_regions_spreads_its_regions_and_an_older_format_is_measured_again(
 
 
 def test_a_pass_some_kind_did_not_measure_is_left_as_the_region_has_it() -> None:
-    """A kind whose B and W were not timed apart (None) cannot be set against one whose were: B and W stay the
-    region's; F and the whole backward, measured for both, are spread."""
+    """A kind whose B and W were not timed apart (None) cannot be set against one whose were: its B and W stay the
+    region's, and the one kind measured there cancels, so B and W stay the region's; F and the whole backward,
+    measured for both, are spread."""
     region = MeasuredScale(4, [Span(0, 4, 1.0, 0.8, 1.6, 1.0)])
     out = spread(region, [0, 1, 0, 1], {0: (2.0, None, None, 2.0), 1: (1.0, 0.5, 1.5, 1.0)}, [1.0] * 4)
     f, b, w, bw = out.columns()
@@ -261,8 +262,8 @@ def test_a_slow_head_takes_its_regions_time_from_the_block_beside_it() -> None:
     dev = torch.device("cpu")
     cal = calibrate_training(g, "cpu", repeats=2, inputs=inputs)
     slow = _slow("nll_loss", 0.02)
-    region, cal = region_scale(g, dev, cal, inputs, compile_program=slow)
-    assert region is not None
+    region, cal = region_scale(g, dev, cal, inputs, compile_program=slow, regions=2)  # the head's region: a
+    assert region is not None and len(region.spans) == 2  # half of the model (four, and it may hold the head alone)
     out, grown = piece_scale(g, dev, region, cal, inputs, compile_program=slow)
     times = [grown.times.get(signature(e), 0.0) for e in g.eqns]
     chosen = timed_pieces(g, times)
@@ -277,4 +278,34 @@ def test_a_slow_head_takes_its_regions_time_from_the_block_beside_it() -> None:
     kinds = likened(g, chosen, times)
     blocks = [f[i] for i in eqns if kinds[i] in timed_kinds - {head[0]} and times[i] > 0]
     heads = [f[i] for i in range(start, stop) if times[i] > 0]
-    assert blocks and min(heads) > 3 * max(blocks), (min(heads), max(blocks))
+    assert blocks and heads and min(heads) > 3 * max(blocks), (heads, blocks)
+
+
+def test_a_kind_that_did_not_measure_a_pass_keeps_the_regions_ratio_and_the_others_are_spread() -> None:
+    """Three kinds in one region; kind 0 (an embedding, say: no B program) has no B ratio. B is spread over kinds 1
+    and 2 alone (their time-weighted B kept), kind 0 keeps the region's B; F over all three."""
+    region = MeasuredScale(3, [Span(0, 3, 1.0, 0.9, 1.2, 1.0)])
+    out = spread(region, [0, 1, 2], {0: (2.0, None, 1.0, 2.0), 1: (1.0, 1.0, 1.0, 1.0), 2: (1.0, 3.0, 1.0, 1.0)},
+                 [1.0, 1.0, 1.0])
+    f, b, w, _ = out.columns()
+    assert b == pytest.approx([0.9, 0.9 * 2 / 4, 0.9 * 6 / 4]) and (b[1] + b[2]) / 2 == pytest.approx(0.9)
+    assert f == pytest.approx([1.5, 0.75, 0.75]) and w == pytest.approx([1.2] * 3)
+
+
+def test_a_head_alone_in_its_region_is_not_timed() -> None:
+    """The 1,024-word Llama's head and loss qualify as a piece of its own; in a region that also holds blocks it is
+    kept, in a region of its own (its ratio would cancel there) it is dropped, and the blocks' kinds stay."""
+    from engine.planning.pieces import accompanied
+
+    config = attrs.evolve(CONFIG, vocab_size=1024)
+    fn, variables = engine.functionalize(llama_model.build(config, torch.float32), loss=llama_model.lm_loss)
+    g = ir.trace(fn, variables, *llama_model.example_batch(config, 4))
+    times = [float(ir.eqn_cost(e).flops + ir.eqn_cost(e).bytes) for e in g.eqns]
+    chosen = timed_pieces(g, times)
+    head = chosen[-1]
+    assert head[2] == len(g.eqns) and len(chosen) == 3, chosen
+    n = len(g.eqns)
+    together = MeasuredScale(n, [Span(0, n // 2, 1, 1, 1, 1), Span(n // 2, n, 1, 1, 1, 1)])
+    alone = MeasuredScale(n, [Span(0, head[1], 1, 1, 1, 1), Span(head[1], n, 1, 1, 1, 1)])
+    assert accompanied(g, chosen, together, times) == chosen
+    assert accompanied(g, chosen, alone, times) == chosen[:-1]

@@ -55,3 +55,16 @@ def test_a_failing_op_names_its_line_of_the_program() -> None:
         fn(inputs[0], torch.randn(5, 8, dtype=torch.float64), inputs[2])  # m of the wrong shape
     frames = [f for f in traceback.extract_tb(err.value.__traceback__) if f.filename.startswith("<fnpipe program")]
     assert len(frames) == 1 and "_op_aten_matmul_default(" in frames[0].line
+
+
+def test_a_programs_source_is_kept_for_tracebacks_while_the_program_lives() -> None:
+    import gc
+    import linecache
+
+    g, _ = _graph()
+    fn = bound_ops(ir.to_fx(g))
+    filename = fn.__func__.__code__.co_filename
+    assert linecache.getlines(filename) and filename in linecache.cache
+    del fn
+    gc.collect()
+    assert filename not in linecache.cache
