@@ -1,6 +1,7 @@
 """Offline (CPU): the Llama's second stage of session 30's p = 4 zbv plan (eqns 121:245, inside the first region),
 costed from call 3's calibration as it was and with the first region's B and W split as the other regions' were
-(`regions._normalised` since session 30), beside what its programs ran on the H200 (`stage_check.py`, call 3).
+(the spans edited here; the engine does not do it: tried in session 30 and reverted, benchmarks/NOTES.md), beside
+what its programs ran on the H200 (`stage_check.py`, call 3).
 
     PYTHONPATH=. python benchmarks/first_region_split.py
 

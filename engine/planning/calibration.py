@@ -81,11 +81,11 @@ class ProgramScale:
     # and backward's (CUDA; `Calibration.launches`)
 
 
-REGIONS_FORMAT = 6  # 2: B's and W's ratios measured apart (`timed._split_shares`), tables before it had one;
+REGIONS_FORMAT = 7  # 2: B's and W's ratios measured apart (`timed._split_shares`), tables before it had one;
 # 3: the whole backward's ratio beside them (`measured.Span.backward`); 4: B's and W's ratios from their own
 # programs' seconds, not shares of the fused backward's (`timed._split_shares`); 5: each region's ratios spread
-# over the kinds of block it holds (`engine.planning.pieces`); 6: a piece of a kind of its own timed too (a head),
-# and the first region's B and W split as the other regions' (`regions._normalised`)
+# over the kinds of block it holds (`engine.planning.pieces`); 6: a piece of a kind of its own timed too (a head);
+# 7: a kind without a pass's ratio keeps the region's there, the others spread among themselves (`pieces.spread`)
 
 
 @attrs.frozen

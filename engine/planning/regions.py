@@ -114,26 +114,14 @@ def _normalised(runs: Sequence[tuple[Any, ...]]) -> list[Span]:
     """Each region's forward and backward seconds over its ops' sums, scaled so their means weighted by the
     regions' ops' sums are 1; B's and W's ratios are the backward's times the region's `timed._split_shares` (its
     7th and 8th numbers; 1 where a run has none or they are None), and the whole backward's (`Span.backward`) is
-    the backward's. The first region has no B of its own (nothing upstream takes its input grads: its 9th number,
-    B's ops' sum, is 0), but a stage cut inside it has one: it takes the other regions' factors (their mean
-    weighted by their backward ops' sums): with one ratio for both, a Llama's second stage at p = 4, inside the
-    first region, was planned at 1.39 x the B and 0.65 x the W its programs ran (1 x H200, session 30). A first
-    stage costs its backward at the whole backward's ratio all the same (`stage_costs._scales`)."""
+    the backward's."""
     f = [run[4] / run[2] if run[2] > 0 else 1.0 for run in runs]
     b = [run[5] / run[3] if run[3] > 0 else 1.0 for run in runs]
     f_mean = _weighted_mean(f, [r[2] for r in runs])
     b_mean = _weighted_mean(b, [r[3] for r in runs])
-    split = [run for run in runs if len(run) >= 8 and run[6] is not None]
-    borrowed = (_weighted_mean([r[6] for r in split], [r[3] for r in split]),
-                _weighted_mean([r[7] for r in split], [r[3] for r in split])) if split else (1.0, 1.0)
-
-    def shares(run: tuple[Any, ...]) -> tuple[float, float]:
-        if len(run) >= 8 and run[6] is not None:
-            return run[6], run[7]
-        return borrowed if len(run) >= 10 and run[8] <= 0 < run[9] else (1.0, 1.0)
-
+    shares = [tuple(run[6:8]) if len(run) >= 8 and run[6] is not None else (1.0, 1.0) for run in runs]
     return [Span(int(run[0]), int(run[1]), fr / f_mean, br * kb / b_mean, br * kw / b_mean, br / b_mean)
-            for run, fr, br, (kb, kw) in ((run, fr, br, shares(run)) for run, fr, br in zip(runs, f, b))]
+            for run, fr, br, (kb, kw) in zip(runs, f, b, shares)]
 
 
 def _weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:

@@ -30,7 +30,7 @@ def timed_stages(stages: Sequence[ir.Stage], device: torch.device, cal: Calibrat
     programs compiled and timed on `device` (each program's faster of a timing right after its compile and one once
     all are compiled: `_again`), as a run (start, stop, forward ops' sum, backward ops' sum, forward seconds,
     backward seconds, B's and W's factors on the backward's ratio: `_split_shares`, both None where B and W were not
-    timed apart, then B's and W's ops' sums: `calibration.split_sums`); and `cal` with the ops only these programs have timed (`queued`: `calibration.Programs`'s). A
+    timed apart); and `cal` with the ops only these programs have timed (`queued`: `calibration.Programs`'s). A
     stage's inputs are `feed(stage, values)`, `values` the outputs of the stages before (by value id; inputs left
     out are random, `calibration.Programs`). None when some op cannot be timed alone or a program cannot run here
     (logged with `what`: out of memory, a compiler's failure)."""
@@ -58,10 +58,9 @@ def timed_stages(stages: Sequence[ir.Stage], device: torch.device, cal: Calibrat
     runs = []
     for (stage, ad, sums, first, _), again in zip(measured, _again([m[4] for m in measured], repeats, what)):
         ran = _faster(first, again)
-        b_sum, w_sum = split_sums(ad, cal, sums.param_grads, stage.graph)
-        shares = _split_shares(ran, sums.backward, b_sum, w_sum)
+        shares = _split_shares(ran, sums.backward, *split_sums(ad, cal, sums.param_grads, stage.graph))
         runs.append((stage.start, stage.stop, sums.forward, sums.backward, ran.forward, ran.backward,
-                     *(shares if shares is not None else (None, None)), b_sum, w_sum))
+                     *(shares if shares is not None else (None, None))))
     return runs, cal
 
 

@@ -143,7 +143,7 @@ def test_with_regions_spreads_its_regions_and_an_older_format_is_measured_again(
     table = with_regions(g, dev, calibrate_training(g, "cpu", repeats=2, inputs=inputs), inputs,
                          {"fx": _slow_mlps(0.02)})
     assert len(table.regions["fx"].spans) > 4  # more spans than the four regions: the kinds within each
-    text = table.to_json().replace(', 6]', ', 5]')  # a table of the format before heads were timed
+    text = table.to_json().replace(', 7]', ', 6]')  # a table of the format before this one
     assert Calibration.from_json(text).regions == {}
 
 

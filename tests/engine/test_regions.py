@@ -116,24 +116,6 @@ def test_a_regions_b_and_w_take_the_seconds_their_own_programs_ran() -> None:
     assert [s.backward for s in two] == [pytest.approx(2 / 1.5), pytest.approx(1 / 1.5)]  # the whole backward's
 
 
-def test_the_first_region_without_a_b_takes_the_other_regions_split_of_its_backward() -> None:
-    """Region 0 starts at the model's input: its B program is empty (B's ops' sum 0) and its B and W were not timed
-    apart, but a stage cut inside it has a B. It takes the split regions' factors, their mean weighted by their
-    backward ops' sums: (0.5 * 3 + 0.8 * 1) / 4 for B and (2 * 3 + 1.4 * 1) / 4 for W. A region with no W (no
-    weights: its backward is all B) and one whose split was not measured keep one ratio."""
-    runs = [(0, 4, 1e-3, 2e-3, 1e-3, 2e-3, None, None, 0.0, 2e-3),  # no B: borrows
-            (4, 8, 1e-3, 3e-3, 1e-3, 3e-3, 0.5, 2.0, 1e-3, 2e-3),
-            (8, 9, 1e-3, 1e-3, 1e-3, 1e-3, 0.8, 1.4, 0.5e-3, 0.5e-3),
-            (9, 10, 1e-3, 1e-3, 1e-3, 1e-3, None, None, 1e-3, 0.0),  # no W: keeps one ratio
-            (10, 12, 1e-3, 1e-3, 1e-3, 1e-3, None, None)]  # not measured apart: keeps one ratio
-    spans = _normalised(runs)
-    assert [s.backward for s in spans] == pytest.approx([1.0] * 5)  # every backward ran 1 x its ops
-    kb, kw = (0.5 * 3 + 0.8 * 1) / 4, (2.0 * 3 + 1.4 * 1) / 4
-    assert (spans[0].backward_input, spans[0].backward_weight) == (pytest.approx(kb), pytest.approx(kw))
-    assert (spans[1].backward_input, spans[1].backward_weight) == (pytest.approx(0.5), pytest.approx(2.0))
-    assert [(s.backward_input, s.backward_weight) for s in spans[3:]] == [(1.0, 1.0)] * 2
-
-
 def test_a_stage_with_no_b_costs_its_backward_at_the_whole_backwards_ratio() -> None:
     """The first stage's W graph is its whole backward (nothing upstream takes its input grads): under region
     scales whose B runs 0.5 x and W 2 x while the whole backward runs 1 x, the one-stage plan's backward is
