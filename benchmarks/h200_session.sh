@@ -80,7 +80,8 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
       --seconds "${HOST_SETTLE_MAX:-120}" --every 3 --out "$out/pace_settle.csv"
   fi
   if [ "${HOST_PACE:-0}" = 1 ]; then  # the host's pace sampled beside the part (CPU work only), every 5 s
-    python3 benchmarks/host_pace.py --seconds 3600 --every 5 --out "$out/pace_during.csv" > "$out/pace_during.txt" 2>&1 &
+    python3 benchmarks/host_pace.py --seconds 3600 --every 5 --out "$out/pace_during.csv" \
+      > "$out/pace_during.txt" 2>&1 &
     pace_pid=$!
   fi
   case $part in
@@ -124,7 +125,8 @@ sample_gpus() {  # every GPU's SM clock, power and throttle reasons every 100 ms
     stages)  # 1 GPU: the planner's stage costs of a p = 4 zbv plan against its stage programs timed in turn, with
              # and without the head timed as a piece (TABLES=now: the current calibration alone, about half the time)
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} ENGINE_LOG_LEVEL_CALIBRATE=INFO timeout "${STAGES_LIMIT:-560}" \
-        python3 benchmarks/stage_check.py --families "$families" --tables "${TABLES:-before,now}" --out-dir "$out/stages"
+        python3 benchmarks/stage_check.py --families "$families" --tables "${TABLES:-before,now}" \
+        --out-dir "$out/stages"
       ;;
     profile)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_stage.py --calibrate "$cal" \

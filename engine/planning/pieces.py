@@ -21,8 +21,9 @@ RoPE's tables, ran 0.90 x its plan as the region's ratio costed it, 4 x H100, se
 region, and the other untimed pieces (the embedding), keep the region's ratio.
 
 A piece of a kind of its own is timed too when it holds SINGLE of the forward seconds, is not costed as a timed
-kind and shares its region with a timed kind (alone there, its ratio would cancel): a language model's head and loss. Its region is mostly its own (the regions cut at equal time, and a GPT's
-head of 50,257 words holds about four blocks' worth), so the region's ratio was mostly the head's, but not only:
+kind and shares its region with a timed kind (alone there, its ratio would cancel): a language model's head and
+loss. Its region is mostly its own (the regions cut at equal time, and a GPT's head of 50,257 words holds about
+four blocks' worth), so the region's ratio was mostly the head's, but not only:
 GPT's head-only stage at p = 4 ran 0.86 x its plan's forward and 0.79 x its B where the last block beside it in
 the region took the rest (4 x H100, inductor, session 27).
 """
